@@ -1,0 +1,65 @@
+"""Attention kernels for the two layouts the models run in.
+
+Packed: a flat token stream [T, heads, d] of many sequences, `cu_seqlens` [B+1] marks their
+boundaries; causal inside each sequence, nothing across. On CUDA this is one varlen
+FlashAttention call; elsewhere a loop of SDPA calls, one per sequence (exact, and fast enough on CPU).
+
+Cached: queries [B, S, heads, d] for S new tokens per row, against a KV cache whose row b holds
+`lengths[b]` committed entries followed by the S new ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _varlen_kernel():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
+_VARLEN = _varlen_kernel()
+
+
+def packed_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    """q [T, Hq, d], k/v [T, Hkv, d] → [T, Hq, d], causal within each packed sequence."""
+    if q.is_cuda and _VARLEN is not None:
+        group = q.shape[1] // k.shape[1]
+        # Repeating KV costs a copy but keeps to the kernel's most portable signature.
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        cu = cu_seqlens.to(torch.int32)
+        return _VARLEN(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def cache_mask(lengths: torch.Tensor, new: int, key_len: int) -> torch.Tensor:
+    """[B, 1, new, key_len] bool: query s of row b sees keys 0 … lengths[b] + s."""
+    keys = torch.arange(key_len, device=lengths.device)
+    limit = lengths[:, None] + torch.arange(new, device=lengths.device)[None, :]
+    return (keys[None, None, :] <= limit[:, :, None]).unsqueeze(1)
+
+
+def cached_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """q [B, S, Hq, d]; caches [B, K, Hkv, d] (already holding the new entries); mask [B,1,S,K]."""
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k_cache.transpose(1, 2),
+        v_cache.transpose(1, 2),
+        attn_mask=mask,
+        enable_gqa=True,
+    )
+    return o.transpose(1, 2)

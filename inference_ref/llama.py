@@ -1,0 +1,209 @@
+"""Llama-family target for inference: packed forward (precompute) and KV-cache decode.
+
+Architecture only: no training, no data. Projections are fused (q|k|v and gate|up) so each
+layer runs two large matmuls where the checkpoint has five. Hidden states are returned
+*before* the final norm, which is what the store and the draft consume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference_ref.attention import cache_mask, cached_attention, packed_causal_attention
+from inference_ref.config import LlamaConfig, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32, scale in the input dtype (as the reference implementation does).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for given positions, in the `rotate_half` convention."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, heads, d]; cos/sin [..., T, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        qkv_out = (self.n_heads + 2 * self.n_kv) * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q, k, v = self.qkv_proj(x).split(
+            [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], -1
+        )
+        q = q.unflatten(-1, (self.n_heads, self.head_dim))
+        k = k.unflatten(-1, (self.n_kv, self.head_dim))
+        v = v.unflatten(-1, (self.n_kv, self.head_dim))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward_packed(self, x, cos, sin, cu_seqlens, max_len):
+        q, k, v = self._qkv(x, cos, sin)
+        o = packed_causal_attention(q, k, v, cu_seqlens, max_len)
+        return self.o_proj(o.flatten(-2))
+
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask):
+        """x [B, S, H]; writes the new K/V at `slots` [B, S] of this layer's cache, then attends."""
+        q, k, v = self._qkv(x, cos, sin)
+        rows = torch.arange(x.shape[0], device=x.device)[:, None]
+        k_cache[rows, slots] = k.to(k_cache.dtype)
+        v_cache[rows, slots] = v.to(v_cache.dtype)
+        key_len = mask.shape[-1]
+        o = cached_attention(q, k_cache[:, :key_len], v_cache[:, :key_len], mask)
+        return self.o_proj(o.flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward_packed(self, x, cos, sin, cu_seqlens, max_len):
+        x = x + self.self_attn.forward_packed(self.input_layernorm(x), cos, sin, cu_seqlens, max_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask):
+        h = self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, k_cache, v_cache, slots, mask)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class KVCache:
+    """Static cache for a batch: row b holds `lengths[b]` committed entries.
+
+    Entries past a row's length are scratch: a verify step writes there, and whatever the
+    caller does not commit (rejected draft tokens) is overwritten by the next step.
+    """
+
+    k: torch.Tensor  # [layers, B, max_len, kv_heads, head_dim]
+    v: torch.Tensor
+    lengths: torch.Tensor  # [B] int64
+
+    @classmethod
+    def empty(cls, cfg: LlamaConfig, layers: int, batch: int, max_len: int, device, dtype) -> KVCache:
+        shape = (layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype), lengths)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def slots(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [B, new] the next `new` tokens take, and the attention mask for them."""
+        slots = self.lengths[:, None] + torch.arange(new, device=self.lengths.device)
+        key_len = min(int(slots.max()) + 1, self.max_len)
+        return slots, cache_mask(self.lengths, new, key_len)
+
+
+class LlamaModel(nn.Module):
+    """`LlamaForCausalLM` with fused projections; embeddings tied or not as configured."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits from pre-norm hidden states, in fp32."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    @torch.inference_mode()
+    def forward_packed(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, logits_at: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids [T] of B packed sequences → (hidden [T, H] before the final norm,
+        logits [len(logits_at), V] for the flat positions asked for, or None)."""
+        positions = packed_positions(cu_seqlens, input_ids.shape[0])
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer.forward_packed(x, cos, sin, cu_seqlens, max_len)
+        logits = None if logits_at is None else self.logits(x[logits_at])
+        return x, logits
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        w = self.embed_tokens.weight
+        return KVCache.empty(self.cfg, len(self.layers), batch, max_len, w.device, w.dtype)
+
+    @torch.inference_mode()
+    def forward_cached(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """input_ids [B, S] placed after each row's committed cache entries → hidden [B, S, H]
+        (before the final norm). Does not commit: the caller advances `cache.lengths`."""
+        slots, mask = cache.slots(input_ids.shape[1])
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(slots, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], slots, mask)
+        return x
+
+
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position of each flat token inside its own sequence."""
+    starts = cu_seqlens[:-1]
+    lengths = cu_seqlens[1:] - starts
+    seq_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
+    return torch.arange(total, device=cu_seqlens.device) - starts[seq_of_token]
+
+
+def cu_seqlens_of(lengths: list[int], device=None) -> torch.Tensor:
+    """Cumulative boundaries [B+1] (int64) of sequences of the given lengths."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.long, device=device)
+    out[1:] = torch.tensor(lengths, device=device).cumsum(0)
+    return out

@@ -1,0 +1,133 @@
+"""Load a Llama-family target from a local Hugging Face directory or a GGUF file.
+
+Never unpickles: safetensors (single file or sharded with an index) and GGUF only. Tensors are
+read by name, so callers that need only the embeddings, final norm and lm_head read only those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from inference_ref.config import LlamaConfig, read_config
+from inference_ref.llama import LlamaModel, Rotary
+
+EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+def safetensors_files(model_dir: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors (pickled .bin checkpoints are not loaded)")
+    out = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            out.update({name: file for name in f.keys()})
+    return out
+
+
+def read_tensors(model_dir: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read only the named tensors from a checkpoint directory."""
+    where = safetensors_files(Path(model_dir))
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise KeyError(f"{model_dir}: tensors not in checkpoint: {missing}")
+    out = {}
+    for name in names:
+        with safe_open(where[name], "pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+def frozen_target_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Embeddings, final norm and lm_head (the embeddings again when tied): what a head shares."""
+    cfg = read_config(model_dir)
+    names = [EMBED, FINAL_NORM] + ([] if cfg.tie_word_embeddings else [LM_HEAD])
+    out = read_tensors(model_dir, names)
+    out.setdefault(LM_HEAD, out[EMBED])
+    return out
+
+
+def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face Llama names → this model's names, fusing q|k|v and gate|up."""
+    out = {
+        "embed_tokens.weight": hf[EMBED],
+        "norm.weight": hf[FINAL_NORM],
+        "lm_head.weight": hf[EMBED] if cfg.tie_word_embeddings else hf[LM_HEAD],
+    }
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        q = f"layers.{i}."
+        attn = [hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+        out[q + "self_attn.qkv_proj.weight"] = torch.cat(attn, 0)
+        out[q + "self_attn.o_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
+        gate_up = [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]
+        out[q + "mlp.gate_up_proj.weight"] = torch.cat(gate_up, 0)
+        out[q + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
+        out[q + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+        out[q + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+    return out
+
+
+def build_model(cfg: LlamaConfig, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> LlamaModel:
+    """Assemble a model from a fused state dict without allocating random weights first."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = Rotary(cfg)
+    model.to(device=device, dtype=dtype)
+    model.rotary.inv_freq = rope_table_fp32(cfg, device)
+    return model.eval()
+
+
+def rope_table_fp32(cfg: LlamaConfig, device) -> torch.Tensor:
+    # Frequencies stay fp32 whatever the weights' dtype: bf16 would shift long positions.
+    return Rotary(cfg).inv_freq.to(device)
+
+
+def load_llama(path: str | Path, device="cpu", dtype=torch.float32) -> LlamaModel:
+    """Load a target from a Hugging Face directory or a `.gguf` file."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from inference_ref.gguf import read_gguf
+
+        cfg, hf = read_gguf(path)
+    else:
+        cfg = read_config(path)
+        where = safetensors_files(path)
+        hf = read_tensors(path, [n for n in where if not n.endswith("rotary_emb.inv_freq")])
+    return build_model(cfg, fuse_hf_state_dict(hf, cfg), device, dtype)
+
+
+def random_llama(cfg: LlamaConfig, device="cpu", dtype=torch.float32, seed: int = 0) -> LlamaModel:
+    """Random weights at a given shape (benchmarks, tiny test targets)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaModel(cfg)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            torch.nn.init.normal_(p, mean=1.0, std=0.1)
+        else:
+            torch.nn.init.normal_(p, std=0.02)
+    model.to(dtype=dtype)
+    model.rotary.inv_freq = rope_table_fp32(cfg, device)
+    return model.eval()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
