@@ -132,7 +132,11 @@ class KVCache:
     def empty(cls, cfg: LlamaConfig, layers: int, batch: int, max_len: int, device, dtype) -> KVCache:
         shape = (layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype), lengths)
+        return cls(
+            torch.zeros(shape, device=device, dtype=dtype),
+            torch.zeros(shape, device=device, dtype=dtype),
+            lengths,
+        )
 
     @property
     def max_len(self) -> int:

@@ -78,7 +78,9 @@ def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[st
     return out
 
 
-def build_model(cfg: LlamaConfig, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> LlamaModel:
+def build_model(
+    cfg: LlamaConfig, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32
+) -> LlamaModel:
     """Assemble a model from a fused state dict without allocating random weights first."""
     with torch.device("meta"):
         model = LlamaModel(cfg)

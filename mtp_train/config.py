@@ -1,0 +1,186 @@
+"""Hydra structured configs: one small dataclass per component, composed into `RunConfig`.
+
+YAML under `recipes/` fills these in; a key that is not a field here is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    """Recipe name; also names the run directory."""
+    target: str = MISSING
+    """Target checkpoint: a Hugging Face directory, a `.gguf` file, or `smollm2-135m-instruct` (demo)."""
+    variant: str = "rmsnorm-restored"
+    """Head architecture: `rmsnorm-restored` (default) or `eagle1` (the EAGLE paper's head, for ablations)."""
+    dtype: str = "auto"
+    """Compute dtype for target and head: `auto` (bf16 on CUDA, fp32 on CPU), `bfloat16`, `float32`."""
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Conversation files (jsonl/json/parquet) or `datasets.save_to_disk` directories."""
+    max_seq_len: int = 2048
+    """Token limit per rendered sample."""
+    overlong: str = "truncate"
+    """What to do with samples over `max_seq_len`: `truncate` or `drop` (both counted)."""
+    require_assistant: bool = True
+    """Error on a conversation without an assistant turn (training needs one to supervise)."""
+    max_samples: int | None = None
+    """Use at most this many records (after skipping `holdout`)."""
+    holdout: int = 0
+    """The first `holdout` records are kept out of training, for validation."""
+
+
+@dataclass
+class RegenerateConfig:
+    prompts: list[str] = field(default_factory=list)
+    """Prompt files (any format `mtp_train.data` reads); their assistant turns are replaced."""
+    output: str = "${run_dir}/regenerated.jsonl"
+    """Messages-format jsonl written (and appended to on resume)."""
+    max_prompt_tokens: int = 1024
+    """Prompts longer than this (rendered) are skipped and counted."""
+    max_new_tokens: int = 512
+    """Tokens generated per assistant turn."""
+    temperature: float = 0.0
+    """0 for greedy; otherwise sampled at this temperature."""
+    batch_size: int = 64
+    """Sequences decoded together."""
+    limit: int | None = None
+    """Regenerate at most this many records."""
+    seed: int = 0
+    """Sampling seed."""
+
+
+@dataclass
+class PrecomputeConfig:
+    store_dir: str = "${run_dir}/store"
+    """Output directory of the hidden-state store."""
+    tokens_per_batch: int = 16384
+    """Tokens per packed forward batch."""
+    shard_tokens: int = 1_048_576
+    """Tokens per shard file (a shard is closed at the first sample boundary past this)."""
+    hidden_dtype: str = "bf16"
+    """Stored hidden-state dtype: `bf16`, or `fp8` (e4m3 with a per-token scale)."""
+
+
+@dataclass
+class TrainConfig:
+    store_dir: str = "${run_dir}/store"
+    """Store written by precompute."""
+    out_dir: str = "${run_dir}/train"
+    """Checkpoints, exported heads and logs."""
+    steps: int = 1000
+    """Optimizer steps."""
+    tokens_per_micro_batch: int = 8192
+    """Token budget of one packed micro-batch per process."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    lr: float = 1e-4
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to lr × this."""
+    warmup_steps: int = 50
+    """Linear warmup steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    grad_clip: float = 0.5
+    """Max global gradient norm."""
+    w_p: float = 1.0
+    """Weight of the soft cross-entropy to the target's distribution."""
+    w_h: float = 0.1
+    """Weight of the SmoothL1 on normalized hidden states."""
+    loss_chunk: int = 2048
+    """Tokens per chunk of the vocabulary-sized loss (peak memory ∝ chunk × vocab)."""
+    unroll_steps: int = 1
+    """Train k chained steps, the head consuming its own output state after the first."""
+    unroll_decay: float = 0.8
+    """Loss weight of chained step j is decay^(j-1)."""
+    seed: int = 0
+    """Seed for data order and initialisation."""
+    save_every: int = 500
+    """Checkpoint every N steps (and at the end)."""
+    export_every: int = 0
+    """Export the head every N steps (0: only at the end)."""
+    validate_every: int = 0
+    """Teacher-forced validation through inference_ref every N steps (0: off)."""
+    spec_validate_at: list[int] = field(default_factory=list)
+    """Steps at which the full speculative-decoding validation runs."""
+    resume: bool = True
+    """Resume from the latest checkpoint in `out_dir` if there is one."""
+
+
+@dataclass
+class ValidateConfig:
+    head: str = "${run_dir}/train/head"
+    """Exported head directory (native format)."""
+    eval_files: list[str] = field(default_factory=list)
+    """Evaluation prompts (MT-bench `turns`, or any conversation file)."""
+    num_prompts: int | None = None
+    """Use at most this many prompts."""
+    max_new_tokens: int = 256
+    """Tokens generated per turn."""
+    chain_lengths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    """Draft chain lengths k to measure."""
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    """0 for greedy; otherwise sampled with rejection sampling."""
+    batch_size: int = 16
+    """Sequences decoded together."""
+    teacher_forced_samples: int = 64
+    """Samples of the store's held-out part used for the teacher-forced loss."""
+    report: str = "${run_dir}/validate/report.json"
+    """JSON report path (a PNG plot is written beside it)."""
+    seed: int = 0
+    """Sampling seed."""
+
+
+@dataclass
+class ExportConfig:
+    checkpoint: str = "${run_dir}/train/head"
+    """Head to export (native format directory)."""
+    out_dir: str = "${run_dir}/export"
+    """Where the exported layouts go."""
+    formats: list[str] = field(default_factory=lambda: ["native"])
+    """Layouts to write: `native`, `deepseek_mtp`, `eagle1`."""
+    store_shared: bool = False
+    """Also store the embeddings and lm_head (they are normally shared with the target)."""
+
+
+@dataclass
+class LoggingConfig:
+    wandb: str = "disabled"
+    """wandb mode: `disabled`, `offline` or `online` (wandb is imported only if not disabled)."""
+    project: str = "mtp-train"
+    """wandb project."""
+    log_every: int = 10
+    """Console/wandb progress line every N steps."""
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "outputs/${model.name}"
+    """Everything a run writes goes under here; identical on every rank."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+register()

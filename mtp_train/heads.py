@@ -1,0 +1,159 @@
+"""Draft heads for training: architecture only (no optimizer, launcher or logging here).
+
+rmsnorm-restored (default):
+    e = enorm(embed(t_{i+1}));  g = hnorm(h_i);  x = fc([e; g])
+    y = layer(x);  z = norm(y);  logits = lm_head(z)          (y feeds chained steps)
+eagle1 (ablation, the EAGLE paper's head):
+    f = final_norm(h);  x = fc([embed(t_{i+1}); f_i]) with bias
+    y = layer(x) without input_layernorm;  z = y;  logits = lm_head(y)
+
+The embeddings, final norm and lm_head are the target's, frozen, and held as buffers so they
+are in no optimizer and no checkpoint. Parameter names are the native export format's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference_ref.config import LlamaConfig
+from inference_ref.llama import RMSNorm, Rotary, apply_rotary
+from mtp_train.head_attention import head_attention
+
+VARIANTS = ("rmsnorm-restored", "eagle1")
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    variant: str
+    """`rmsnorm-restored` or `eagle1`."""
+    target: LlamaConfig
+    """The target's config: the head's layer is one layer of this shape."""
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"model.variant: {self.variant!r} is not one of {VARIANTS}")
+
+    @property
+    def restored(self) -> bool:
+        return self.variant == "rmsnorm-restored"
+
+
+class HeadAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, batch, kv: list) -> torch.Tensor:
+        """x [T, H] of one chained step; `kv` holds the (k, v) of earlier steps and gets this one's."""
+        q = apply_rotary(self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
+        k = apply_rotary(self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim)), cos, sin)
+        kv.append((k, self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))))
+        return self.o_proj(head_attention(q, kv, batch).flatten(-2))
+
+
+class HeadMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class HeadLayer(nn.Module):
+    """One decoder layer of the target's kind; eagle1 drops the input norm."""
+
+    def __init__(self, cfg: LlamaConfig, input_norm: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
+        self.self_attn = HeadAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = HeadMLP(cfg)
+
+    def forward(self, x, cos, sin, batch, kv: list):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MTPHead(nn.Module):
+    def __init__(self, cfg: HeadConfig, frozen: dict[str, torch.Tensor]):
+        super().__init__()
+        t = cfg.target
+        self.cfg = cfg
+        h = t.hidden_size
+        if cfg.restored:
+            self.enorm = RMSNorm(h, t.rms_norm_eps)
+            self.hnorm = RMSNorm(h, t.rms_norm_eps)
+            self.norm = RMSNorm(h, t.rms_norm_eps)
+        self.fc = nn.Linear(2 * h, h, bias=not cfg.restored)
+        self.layer = HeadLayer(t, input_norm=cfg.restored)
+        self.rotary = Rotary(t)
+        self.register_buffer("embed_weight", frozen["model.embed_tokens.weight"], persistent=False)
+        self.register_buffer("final_norm_weight", frozen["model.norm.weight"], persistent=False)
+        self.register_buffer("lm_head_weight", frozen["lm_head.weight"], persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Norms start at the target's final norm (z lives where final_norm(h) does); linears small."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+            else:
+                nn.init.zeros_(p)
+        if self.cfg.restored:
+            with torch.no_grad():
+                self.norm.weight.copy_(self.final_norm_weight)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's frozen final norm."""
+        hf = h.float()
+        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.cfg.target.rms_norm_eps)
+        return self.final_norm_weight * hf.to(h.dtype)
+
+    def project(self, state: torch.Tensor, token_ids: torch.Tensor, first: bool) -> torch.Tensor:
+        """fc input from (state, next token). `state` is the target's h (first step) or the head's y."""
+        e = F.embedding(token_ids, self.embed_weight).to(state.dtype)
+        if self.cfg.restored:
+            return self.fc(torch.cat([self.enorm(e), self.hnorm(state)], -1))
+        # eagle1 reads features f = final_norm(h); its own y already lives in that space.
+        f = self.final_norm(state) if first else state
+        return self.fc(torch.cat([e, f], -1))
+
+    def output_state(self, y: torch.Tensor) -> torch.Tensor:
+        """z: the state whose logits are taken and that is regressed to final_norm(h_{i+1})."""
+        return self.norm(y) if self.cfg.restored else y
+
+    def forward(self, hidden, token_ids, positions, batch, steps: int = 1) -> torch.Tensor:
+        """Chained forward over packed draft positions.
+
+        hidden [T, H]: the target's h_i; token_ids [steps, T]: row j holds the token fed at depth
+        j + 1 for position i (row 0 is t_{i+1}); positions [T]. Returns y [steps, T, H], pre-norm.
+        Step j ≥ 1 reads step j-1's y at the same i, at rope position i + j, and attends to the
+        step-0 keys ≤ i plus its own chain's keys (as a draft's KV cache holds them when serving).
+        """
+        kv, ys, state = [], [], hidden
+        for j in range(steps):
+            x = self.project(state, token_ids[j], first=(j == 0))
+            cos, sin = self.rotary(positions + j, x.dtype)
+            state = self.layer(x, cos, sin, batch, kv)
+            ys.append(state)
+        return torch.stack(ys)
+
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        return F.linear(z, self.lm_head_weight.to(z.dtype))

@@ -1,0 +1,130 @@
+"""Where targets come from, and how a store or head names the target it was made with."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from inference_ref.config import LlamaConfig, read_config
+from inference_ref.gguf import convert_gguf
+from inference_ref.loading import random_llama
+from mtp_train.demo_target import cache_dir, smollm2_dir
+
+DEMO_TARGET = "smollm2-135m-instruct"
+
+
+def resolve_target(spec: str) -> Path:
+    """A Hugging Face directory for `spec`: a directory, a `.gguf` (converted once), or the demo alias."""
+    if spec == DEMO_TARGET:
+        return smollm2_dir()
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        out = cache_dir() / f"{path.stem}-{_short_hash(str(path.resolve()))}"
+        if not (out / "config.json").exists():
+            convert_gguf(path, out)
+        return out
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"target {spec!r}: no config.json in {path} (expected a Hugging Face directory)"
+        )
+    return path
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _file_hash(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else None
+
+
+def target_identity(model_dir: str | Path) -> dict:
+    """What must match between a target and the stores and heads made from it."""
+    model_dir = Path(model_dir)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    template = tok.chat_template or ""
+    return {
+        "path": str(model_dir.resolve()),
+        "config_hash": read_config(model_dir).fingerprint(),
+        "tokenizer_hash": _file_hash(model_dir / "tokenizer.json"),
+        "chat_template_hash": hashlib.sha256(template.encode()).hexdigest()[:16],
+    }
+
+
+def check_same_target(expected: dict, found: dict, what: str) -> None:
+    """Raise naming the first field on which `found` (e.g. a store's manifest) differs from the target."""
+    for key in ("config_hash", "tokenizer_hash", "chat_template_hash"):
+        if expected.get(key) != found.get(key):
+            raise ValueError(
+                f"{what} was made with another target: {key} is {found.get(key)!r}, "
+                f"the configured target {expected.get('path')} has {expected.get(key)!r}"
+            )
+
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+
+
+def write_random_target(out_dir: str | Path, tokenizer_dir: str | Path, seed: int = 0, **shape) -> Path:
+    """A tiny random Llama target sharing a real tokenizer: the debug model for CPU runs and tests."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = read_config(tokenizer_dir)
+    cfg = LlamaConfig(
+        vocab_size=base.vocab_size,
+        bos_token_id=base.bos_token_id,
+        eos_token_ids=base.eos_token_ids,
+        **{**TINY, **shape},
+    )
+    model = random_llama(cfg, seed=seed)
+    save_file(_hf_state_dict(model, cfg), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        src = Path(tokenizer_dir) / name
+        if src.exists():
+            (out_dir / name).write_bytes(src.read_bytes())
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    return out_dir
+
+
+def _hf_state_dict(model, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """This model's fused weights back under Hugging Face Llama names (unfused)."""
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    q_rows = cfg.num_attention_heads * cfg.head_dim
+    kv_rows = cfg.num_key_value_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": sd["embed_tokens.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        wq, wk, wv = sd[q + "self_attn.qkv_proj.weight"].split([q_rows, kv_rows, kv_rows])
+        gate, up = sd[q + "mlp.gate_up_proj.weight"].chunk(2)
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": wq.contiguous(),
+                p + "self_attn.k_proj.weight": wk.contiguous(),
+                p + "self_attn.v_proj.weight": wv.contiguous(),
+                p + "self_attn.o_proj.weight": sd[q + "self_attn.o_proj.weight"],
+                p + "mlp.gate_proj.weight": gate.contiguous(),
+                p + "mlp.up_proj.weight": up.contiguous(),
+                p + "mlp.down_proj.weight": sd[q + "mlp.down_proj.weight"],
+                p + "input_layernorm.weight": sd[q + "input_layernorm.weight"],
+                p + "post_attention_layernorm.weight": sd[q + "post_attention_layernorm.weight"],
+            }
+        )
+    return out
