@@ -47,12 +47,13 @@ def causal_attention_with_lse(q, k, v, seg: Segments) -> tuple[torch.Tensor, tor
     """Causal attention inside each sample, with its log-sum-exp [T, Hq] (fp32), sample by sample."""
     group = q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5
+    work = torch.promote_types(q.dtype, torch.float32)  # fp32 at least, fp64 in tests
     outs, lses = [], []
     bounds = seg.cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
-        qs = q[start:end].transpose(0, 1).float()
-        ks = k[start:end].repeat_interleave(group, 1).transpose(0, 1).float()
-        vs = v[start:end].repeat_interleave(group, 1).transpose(0, 1).float()
+        qs = q[start:end].transpose(0, 1).to(work)
+        ks = k[start:end].repeat_interleave(group, 1).transpose(0, 1).to(work)
+        vs = v[start:end].repeat_interleave(group, 1).transpose(0, 1).to(work)
         scores = qs @ ks.transpose(1, 2) * scale
         n = end - start
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()

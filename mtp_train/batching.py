@@ -1,0 +1,123 @@
+"""Training batches: store samples packed into token-budget micro-batches, aligned for the draft.
+
+For a sample t_0 … t_{n-1} with target states h_0 … h_{n-1}, draft position i = 0 … n-2 reads
+(h_i, t_{i+1}). Chained step j (0-based) at i is fed t_{i+1+j} and trained toward the target at
+i+1+j: distribution softmax(L_{i+1+j}) and state final_norm(h_{i+1+j}). It is supervised where
+that exists (i+1+j ≤ n-2) and t_{i+2+j} is an assistant token. For j = 0 this is DESIGN.md's
+"valid positions i = 0 … n-3 where t_{i+2} is supervised".
+
+The micro-batch plan is a pure function of (store lengths, budget, seed), so the data position
+of a resumed run is just its step number, and N processes split the same global sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mtp_train.head_attention import Segments
+
+
+@dataclass
+class DraftBatch:
+    hidden: torch.Tensor  # [T, H] h_i fed to the head (T = Σ (n_s - 1))
+    token_ids: torch.Tensor  # [steps, T] token fed at each chained step
+    positions: torch.Tensor  # [T] i within its sample
+    segments: Segments
+    target_hidden: torch.Tensor  # [Σ n_s, H] all stored states of the micro-batch's samples
+    target_index: torch.Tensor  # [steps, T] row of target_hidden each step is trained toward
+    valid: torch.Tensor  # [steps, T] bool: supervised
+    tokens: int  # stored tokens in the micro-batch
+
+    def to(self, device, dtype) -> DraftBatch:
+        seg = Segments(self.segments.cu_seqlens.to(device), self.segments.max_len)
+        return DraftBatch(
+            self.hidden.to(device, dtype),
+            self.token_ids.to(device),
+            self.positions.to(device),
+            seg,
+            self.target_hidden.to(device, dtype),
+            self.target_index.to(device),
+            self.valid.to(device),
+            self.tokens,
+        )
+
+
+def align_sample(input_ids, loss_mask, offset: int, steps: int):
+    """Per-step (token_ids, target_index, valid) [steps, n-1] for one sample whose states start at `offset`."""
+    n = len(input_ids)
+    i = torch.arange(n - 1)
+    tokens, index, valid = [], [], []
+    for j in range(steps):
+        at = i + 1 + j  # the target position this step predicts for
+        inside = at <= n - 2
+        tokens.append(torch.where(at <= n - 1, input_ids[at.clamp(max=n - 1)], 0))
+        index.append(offset + at.clamp(max=n - 1))
+        supervised = loss_mask[(at + 1).clamp(max=n - 1)].bool()
+        valid.append(inside & supervised)
+    return torch.stack(tokens), torch.stack(index), torch.stack(valid)
+
+
+def collate(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], steps: int) -> DraftBatch:
+    """samples: (input_ids [n], loss_mask [n], hidden [n, H]) from the store, n ≥ 2."""
+    offsets = np.cumsum([0] + [len(s[0]) for s in samples])
+    parts = [align_sample(ids, mask, int(off), steps) for (ids, mask, _), off in zip(samples, offsets)]
+    draft_lens = [len(s[0]) - 1 for s in samples]
+    cu = torch.zeros(len(samples) + 1, dtype=torch.long)
+    cu[1:] = torch.tensor(draft_lens).cumsum(0)
+    return DraftBatch(
+        hidden=torch.cat([h[:-1] for _, _, h in samples]),
+        token_ids=torch.cat([p[0] for p in parts], 1),
+        positions=torch.cat([torch.arange(n) for n in draft_lens]),
+        segments=Segments(cu, max(draft_lens)),
+        target_hidden=torch.cat([h for _, _, h in samples]),
+        target_index=torch.cat([p[1] for p in parts], 1),
+        valid=torch.cat([p[2] for p in parts], 1),
+        tokens=int(offsets[-1]),
+    )
+
+
+def plan_micro_batches(lengths: np.ndarray, budget: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's micro-batches: a seeded shuffle, packed greedily up to `budget` tokens each.
+
+    Samples longer than the budget get a micro-batch of their own.
+    """
+    order = np.random.default_rng([seed, epoch]).permutation(len(lengths))
+    batches, current, used = [], [], 0
+    for idx in order:
+        n = int(lengths[idx])
+        if n < 3:  # nothing to supervise
+            continue
+        if current and used + n > budget:
+            batches.append(current)
+            current, used = [], 0
+        current.append(int(idx))
+        used += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+class MicroBatchPlan:
+    """Global micro-batch g → sample indices, over as many epochs as needed; rank r of w takes g·w + r."""
+
+    def __init__(self, lengths: np.ndarray, budget: int, seed: int):
+        self.lengths, self.budget, self.seed = lengths, budget, seed
+        self.epochs: list[list[list[int]]] = []
+
+    def _epoch(self, e: int) -> list[list[int]]:
+        while len(self.epochs) <= e:
+            self.epochs.append(plan_micro_batches(self.lengths, self.budget, self.seed, len(self.epochs)))
+        return self.epochs[e]
+
+    @property
+    def per_epoch(self) -> int:
+        return len(self._epoch(0))
+
+    def samples(self, global_index: int) -> list[int]:
+        per = self.per_epoch
+        if per == 0:
+            raise ValueError("the store has no sample with a supervised position (need ≥ 3 tokens)")
+        return self._epoch(global_index // per)[global_index % per]

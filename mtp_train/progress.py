@@ -1,0 +1,82 @@
+"""Console progress line and optional wandb logging for the trainer (main process only)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from omegaconf import OmegaConf
+
+
+def start_wandb(cfg):
+    """A wandb run, or None when `logging.wandb` is `disabled` (wandb is then never imported)."""
+    mode = cfg.logging.wandb
+    if mode == "disabled":
+        return None
+    import wandb
+
+    return wandb.init(
+        project=cfg.logging.project,
+        mode=mode,
+        dir=cfg.run_dir,
+        name=cfg.model.name,
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+class Progress:
+    def __init__(self, acc, cfg, total_steps: int, start_step: int):
+        self.acc, self.every, self.total = acc, cfg.logging.log_every, total_steps
+        self.start_step, self.started = start_step, time.time()
+        self.window_tokens, self.window_start = 0, time.time()
+        self.wandb = start_wandb(cfg) if acc.is_main_process else None
+        self.last: dict[str, float] = {}
+
+    def step(self, step: int, stats, grad_norm, lr: float) -> None:
+        """stats: one (loss, metrics, tokens) per micro-batch of this process."""
+        self.window_tokens += sum(t for _, _, t in stats)
+        if step % self.every and step != self.total:
+            return
+        values = self._reduce(stats)
+        elapsed = time.time() - self.window_start
+        tokens = self.window_tokens * self.acc.num_processes
+        values.update(
+            lr=lr,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            tokens_per_s=tokens / max(elapsed, 1e-9),
+        )
+        self.window_tokens, self.window_start = 0, time.time()
+        self.last = values
+        if not self.acc.is_main_process:
+            return
+        done = step - self.start_step
+        eta = (time.time() - self.started) / max(done, 1) * (self.total - step)
+        print(
+            f"step {step}/{self.total}  loss {values['loss']:.4f}  top1 {values['top1']:.3f}  "
+            f"lr {lr:.2e}  {values['tokens_per_s']:,.0f} tok/s  ETA {eta / 60:.1f} min",
+            flush=True,
+        )
+        if self.wandb is not None:
+            self.wandb.log({f"train/{k}": v for k, v in values.items()}, step=step)
+
+    def _reduce(self, stats) -> dict[str, float]:
+        """Means over micro-batches and processes; each metric weighted by its supervised count."""
+        names = [k for k in stats[0][1] if not k.endswith("count")]
+        rows = []
+        for loss, metrics, _ in stats:
+            weighted = [metrics[k].float() * metrics[_count_key(k)] for k in names]
+            counts = [metrics[_count_key(k)] for k in names]
+            rows.append(torch.stack([loss.float(), *weighted, *counts]))
+        total = self.acc.reduce(torch.stack(rows).sum(0), reduction="sum")
+        out = {"loss": float(total[0]) / (len(stats) * self.acc.num_processes)}
+        for i, k in enumerate(names):
+            out[k] = float(total[1 + i] / total[1 + len(names) + i].clamp(min=1))
+        return out
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _count_key(metric: str) -> str:
+    return metric.rsplit("/", 1)[0] + "/count" if "/" in metric else "count"

@@ -1,0 +1,162 @@
+"""Train a draft head on a precomputed store.
+
+    python -m mtp_train.train model=smollm2_135m                       # one process (CPU or GPU)
+    accelerate launch --config_file recipes/accelerate/zero2_8gpu.yaml -m mtp_train.train model=llama3_1_8b
+
+Global micro-batch g (a pure function of the store and the seed) goes to rank g mod world, so a
+run on N processes with accumulation A sees the same samples per optimizer step as one process
+with accumulation N·A, and a resumed run continues from its step number.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from accelerate import Accelerator
+from omegaconf import OmegaConf
+
+from inference_ref.config import read_config
+from inference_ref.loading import frozen_target_tensors
+from mtp_train import checkpoint
+from mtp_train.batching import DraftBatch, MicroBatchPlan, collate
+from mtp_train.config import RunConfig
+from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.losses import DraftObjective, LossWeights
+from mtp_train.progress import Progress
+from mtp_train.store import Store
+from mtp_train.targets import resolve_target, target_identity
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def build_head(variant: str, target_dir: Path, frozen_dtype: torch.dtype) -> MTPHead:
+    """A fresh head on the target's frozen embeddings, final norm and lm_head (read by name only)."""
+    frozen = {k: v.to(frozen_dtype) for k, v in frozen_target_tensors(target_dir).items()}
+    return MTPHead(HeadConfig(variant, read_config(target_dir)), frozen)
+
+
+def check_store(store: Store, head: MTPHead, identity: dict) -> None:
+    store.check_target(identity)
+    hidden = store.manifest["hidden_size"]
+    if hidden != head.cfg.target.hidden_size:
+        raise ValueError(
+            f"{store.path}: hidden size {hidden} does not match the head's target "
+            f"({head.cfg.target.hidden_size}); precompute the store with this target"
+        )
+
+
+def configure_deepspeed(acc: Accelerator, tc) -> None:
+    """Fill the DeepSpeed JSON's "auto" values from the Hydra config, the one source of truth.
+    The micro-batch "size" is one packed token-budget batch."""
+    plugin = acc.state.deepspeed_plugin
+    if plugin is not None:
+        plugin.deepspeed_config.update(
+            gradient_accumulation_steps=tc.grad_accum,
+            gradient_clipping=tc.grad_clip,
+            train_micro_batch_size_per_gpu=1,
+        )
+
+
+def warmup_cosine(warmup: int, total: int, min_ratio: float):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def load_micro_batch(store: Store, indices: list[int], steps: int) -> DraftBatch:
+    return collate([store.sample(i) for i in indices], steps)
+
+
+def train(cfg: RunConfig) -> Path:
+    """Run (or resume) training; returns the directory of the final exported head."""
+    tc = cfg.train
+    acc = Accelerator(gradient_accumulation_steps=tc.grad_accum)
+    torch.manual_seed(tc.seed)
+    out_dir = Path(tc.out_dir)
+    target_dir = resolve_target(cfg.model.target)
+    identity = target_identity(target_dir)
+    dtype = compute_dtype(cfg.model.dtype, acc.device)
+
+    store = Store(tc.store_dir)
+    head = build_head(cfg.model.variant, target_dir, dtype)
+    check_store(store, head, identity)
+    objective = DraftObjective(head, LossWeights(tc.w_p, tc.w_h), tc.loss_chunk, tc.unroll_decay)
+    optimizer = torch.optim.AdamW(
+        head.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
+    )
+    # The schedule is stepped once per optimizer step by us, not per process by accelerate.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(tc.warmup_steps, tc.steps, tc.min_lr_ratio)
+    )
+    configure_deepspeed(acc, tc)
+    objective, optimizer = acc.prepare(objective, optimizer)
+
+    start = 0
+    last = checkpoint.latest(out_dir) if tc.resume else None
+    if last is not None:
+        start = checkpoint.load(acc, last, objective, optimizer, scheduler)
+        acc.print(f"resumed from {last} at step {start}")
+
+    plan = MicroBatchPlan(store.lengths, tc.tokens_per_micro_batch, tc.seed)
+    progress = Progress(acc, cfg, total_steps=tc.steps, start_step=start)
+    param_dtype = next(acc.unwrap_model(objective).head.parameters()).dtype
+    for step in range(start, tc.steps):
+        stats = []
+        for micro in range(tc.grad_accum):
+            g = (step * tc.grad_accum + micro) * acc.num_processes + acc.process_index
+            batch = load_micro_batch(store, plan.samples(g), tc.unroll_steps).to(acc.device, param_dtype)
+            with acc.accumulate(objective):
+                loss, metrics = objective(batch)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    grad_norm = acc.clip_grad_norm_(objective.parameters(), tc.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad()
+            stats.append((loss.detach(), metrics, batch.tokens))
+        scheduler.step()
+        progress.step(step + 1, stats, grad_norm, scheduler.get_last_lr()[0])
+        done = step + 1
+        if tc.save_every and (done % tc.save_every == 0 or done == tc.steps):
+            checkpoint.save(acc, out_dir, done, objective, optimizer, scheduler)
+        if tc.export_every and done % tc.export_every == 0 and done != tc.steps:
+            export_head(acc, objective, out_dir / f"head-step{done:07d}", identity, cfg, done)
+    head_dir = export_head(acc, objective, out_dir / "head", identity, cfg, tc.steps)
+    progress.close()
+    return head_dir
+
+
+def export_head(acc: Accelerator, objective, out: Path, identity: dict, cfg: RunConfig, step: int) -> Path:
+    """Write the head in the native format (gathering ZeRO-3 shards first)."""
+    from mtp_train.export import save_head
+
+    state = acc.get_state_dict(objective)
+    if acc.is_main_process:
+        head = acc.unwrap_model(objective).head
+        params = {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
+        training = {"step": step, "config": OmegaConf.to_container(cfg, resolve=True)}
+        save_head(head, out, identity, training, params=params)
+    acc.wait_for_everyone()
+    return out
+
+
+@hydra.main(config_path="../recipes", config_name="config", version_base=None)
+def main(cfg: RunConfig) -> None:
+    started = time.time()
+    head_dir = train(cfg)
+    print(f"head: {head_dir}  ({time.time() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
