@@ -78,6 +78,35 @@ def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[st
     return out
 
 
+def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
+    """This model's fused weights back under Hugging Face Llama names (unfused)."""
+    cfg = model.cfg
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    q_rows = cfg.num_attention_heads * cfg.head_dim
+    kv_rows = cfg.num_key_value_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": sd["embed_tokens.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        wq, wk, wv = sd[q + "self_attn.qkv_proj.weight"].split([q_rows, kv_rows, kv_rows])
+        gate, up = sd[q + "mlp.gate_up_proj.weight"].chunk(2)
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": wq.contiguous(),
+                p + "self_attn.k_proj.weight": wk.contiguous(),
+                p + "self_attn.v_proj.weight": wv.contiguous(),
+                p + "self_attn.o_proj.weight": sd[q + "self_attn.o_proj.weight"],
+                p + "mlp.gate_proj.weight": gate.contiguous(),
+                p + "mlp.up_proj.weight": up.contiguous(),
+                p + "mlp.down_proj.weight": sd[q + "mlp.down_proj.weight"],
+                p + "input_layernorm.weight": sd[q + "input_layernorm.weight"],
+                p + "post_attention_layernorm.weight": sd[q + "post_attention_layernorm.weight"],
+            }
+        )
+    return out
+
+
 def build_model(
     cfg: LlamaConfig, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32
 ) -> LlamaModel:

@@ -99,8 +99,9 @@ class TrainConfig:
     """Weight of the soft cross-entropy to the target's distribution."""
     w_h: float = 0.1
     """Weight of the SmoothL1 on normalized hidden states."""
-    loss_chunk: int = 2048
-    """Tokens per chunk of the vocabulary-sized loss (peak memory ∝ chunk × vocab)."""
+    loss_chunk_logits: int = 2**27
+    """Logit elements (tokens × vocab) per loss chunk: the loss' peak memory is set by this alone,
+    not by the micro-batch's tokens or the vocabulary (2^27 fp32 ≈ 0.5 GiB per logits tensor)."""
     unroll_steps: int = 1
     """Train k chained steps, the head consuming its own output state after the first."""
     unroll_decay: float = 0.8
@@ -153,6 +154,8 @@ class ExportConfig:
     """Layouts to write: `native`, `deepseek_mtp`, `eagle1`."""
     store_shared: bool = False
     """Also store the embeddings and lm_head (they are normally shared with the target)."""
+    dtype: str = "bfloat16"
+    """Dtype of the exported tensors: `bfloat16`, `float16` or `float32`."""
 
 
 @dataclass

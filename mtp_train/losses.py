@@ -68,9 +68,11 @@ class DraftObjective(torch.nn.Module):
     """The head plus its training loss in one forward, so that data-parallel wrappers (DDP,
     DeepSpeed ZeRO-3) see every parameter use inside the forward they hook."""
 
-    def __init__(self, head, weights: LossWeights, chunk: int, decay: float):
+    def __init__(self, head, weights: LossWeights, chunk_logits: int, decay: float):
         super().__init__()
-        self.head, self.weights, self.chunk, self.decay = head, weights, chunk, decay
+        self.head, self.weights, self.decay = head, weights, decay
+        # Rows per chunk from a logits budget: peak memory stays flat in tokens and in vocabulary.
+        self.chunk = max(1, chunk_logits // head.cfg.target.vocab_size)
 
     def forward(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean loss over supervised positions (chained step j weighted decay^j) and per-step metrics."""

@@ -6,12 +6,11 @@ import hashlib
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from inference_ref.config import LlamaConfig, read_config
 from inference_ref.gguf import convert_gguf
-from inference_ref.loading import random_llama
+from inference_ref.loading import hf_state_dict, random_llama
 from mtp_train.demo_target import cache_dir, smollm2_dir
 
 DEMO_TARGET = "smollm2-135m-instruct"
@@ -93,38 +92,10 @@ def write_random_target(out_dir: str | Path, tokenizer_dir: str | Path, seed: in
         **{**TINY, **shape},
     )
     model = random_llama(cfg, seed=seed)
-    save_file(_hf_state_dict(model, cfg), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(hf_state_dict(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
         src = Path(tokenizer_dir) / name
         if src.exists():
             (out_dir / name).write_bytes(src.read_bytes())
     (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
     return out_dir
-
-
-def _hf_state_dict(model, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """This model's fused weights back under Hugging Face Llama names (unfused)."""
-    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
-    q_rows = cfg.num_attention_heads * cfg.head_dim
-    kv_rows = cfg.num_key_value_heads * cfg.head_dim
-    out = {"model.embed_tokens.weight": sd["embed_tokens.weight"], "model.norm.weight": sd["norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"]
-    for i in range(cfg.num_hidden_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        wq, wk, wv = sd[q + "self_attn.qkv_proj.weight"].split([q_rows, kv_rows, kv_rows])
-        gate, up = sd[q + "mlp.gate_up_proj.weight"].chunk(2)
-        out.update(
-            {
-                p + "self_attn.q_proj.weight": wq.contiguous(),
-                p + "self_attn.k_proj.weight": wk.contiguous(),
-                p + "self_attn.v_proj.weight": wv.contiguous(),
-                p + "self_attn.o_proj.weight": sd[q + "self_attn.o_proj.weight"],
-                p + "mlp.gate_proj.weight": gate.contiguous(),
-                p + "mlp.up_proj.weight": up.contiguous(),
-                p + "mlp.down_proj.weight": sd[q + "mlp.down_proj.weight"],
-                p + "input_layernorm.weight": sd[q + "input_layernorm.weight"],
-                p + "post_attention_layernorm.weight": sd[q + "post_attention_layernorm.weight"],
-            }
-        )
-    return out

@@ -92,7 +92,7 @@ def train(cfg: RunConfig) -> Path:
     store = Store(tc.store_dir)
     head = build_head(cfg.model.variant, target_dir, dtype)
     check_store(store, head, identity)
-    objective = DraftObjective(head, LossWeights(tc.w_p, tc.w_h), tc.loss_chunk, tc.unroll_decay)
+    objective = DraftObjective(head, LossWeights(tc.w_p, tc.w_h), tc.loss_chunk_logits, tc.unroll_decay)
     optimizer = torch.optim.AdamW(
         head.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
     )

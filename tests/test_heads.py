@@ -155,7 +155,7 @@ def test_chunked_loss_equals_reference_in_value_and_gradient():
 
 def test_objective_is_zero_grad_free_of_frozen_parts():
     head = make_head()
-    objective = DraftObjective(head, LossWeights(), chunk=16, decay=0.8)
+    objective = DraftObjective(head, LossWeights(), chunk_logits=16 * 97, decay=0.8)
     s = [(torch.randint(0, 97, (9,)), torch.ones(9, dtype=torch.long), torch.randn(9, 32)) for _ in range(2)]
     loss, metrics = objective(collate(s, steps=2))
     loss.backward()

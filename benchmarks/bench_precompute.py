@@ -1,0 +1,130 @@
+"""Hidden-state dump: inference_ref's packed forward vs Hugging Face transformers, one run, same weights.
+
+Baseline: transformers' `LlamaModel` with SDPA on length-sorted, right-padded batches (the best
+a padded layout gets), last-layer states of the real tokens copied to the host. Ours: packed
+varlen batches of the same token budget, states copied to pinned host memory.
+
+    python -m benchmarks.bench_precompute --shape llama3_8b --tokens 600000
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.common import linear_flops_per_token, lognormal_lengths, shape, timed, write_result
+from inference_ref.llama import cu_seqlens_of
+from inference_ref.loading import hf_state_dict, random_llama
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+PEAK_BF16 = 797e12  # measured bf16 matmul on this H200 (shared/gpu/README.md)
+
+
+def padded_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Length-sorted indices grouped so that batch × longest ≤ budget."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + [current]
+
+
+def packed_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    batches, current, used = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and used + n > budget:
+            batches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    return batches + [current]
+
+
+def run_hf(hf, seqs, batches) -> float:
+    def go():
+        for batch in batches:
+            width = max(len(seqs[i]) for i in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long, device=DEVICE)
+            mask = torch.zeros(len(batch), width, dtype=torch.long, device=DEVICE)
+            for row, i in enumerate(batch):
+                ids[row, : len(seqs[i])] = seqs[i]
+                mask[row, : len(seqs[i])] = 1
+            out = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+            out[mask.bool()].to("cpu")
+
+    with torch.inference_mode():
+        return timed(go)
+
+
+def run_ours(model, seqs, batches, hidden_size: int) -> float:
+    host = torch.empty(max(sum(len(seqs[i]) for i in b) for b in batches), hidden_size, dtype=DTYPE)
+    host = host.pin_memory() if DEVICE == "cuda" else host
+
+    def go():
+        for batch in batches:
+            ids = torch.cat([seqs[i] for i in batch]).to(DEVICE, non_blocking=True)
+            cu = cu_seqlens_of([len(seqs[i]) for i in batch], device=DEVICE)
+            hidden, _ = model.forward_packed(ids, cu)
+            host[: hidden.shape[0]].copy_(hidden, non_blocking=True)
+
+    return timed(go)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="llama3_8b")
+    p.add_argument("--tokens", type=int, default=600_000)
+    p.add_argument("--batch-tokens", type=int, default=32768)
+    p.add_argument("--layers", type=int, default=None, help="override depth (quick checks)")
+    args = p.parse_args()
+    changes = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    cfg = shape(args.shape, **changes)
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaModel as HFLlama
+
+    model = random_llama(cfg, device=DEVICE, dtype=DTYPE)
+    torch.set_default_dtype(DTYPE)
+    with torch.device(DEVICE):
+        hf = HFLlama(HFConfig(**cfg.to_hf(), attn_implementation="sdpa")).eval()
+    torch.set_default_dtype(torch.float32)
+    weights = {k.removeprefix("model."): v for k, v in hf_state_dict(model).items() if k != "lm_head.weight"}
+    hf.load_state_dict(weights, strict=True)
+
+    lengths = lognormal_lengths(args.tokens)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    tokens = sum(lengths)
+    hf_batches = padded_batches(lengths, args.batch_tokens)
+    our_batches = packed_batches(lengths, args.batch_tokens)
+    # Warm up both (kernels, allocator) on a few batches.
+    run_hf(hf, seqs, hf_batches[-3:])
+    run_ours(model, seqs, our_batches[:3], cfg.hidden_size)
+    t_hf = run_hf(hf, seqs, hf_batches)
+    t_ours = run_ours(model, seqs, our_batches, cfg.hidden_size)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in hf_batches)
+    flops = linear_flops_per_token(cfg)
+    ours_tps, hf_tps = tokens / t_ours, tokens / t_hf
+    write_result(
+        f"precompute_{args.shape}",
+        {
+            "command": f"python -m benchmarks.bench_precompute --shape {args.shape} --tokens {args.tokens}",
+            "tokens": tokens,
+            "sequences": len(lengths),
+            "batch_tokens": args.batch_tokens,
+            "hf_sorted_padded_tokens_per_s": hf_tps,
+            "hf_pad_efficiency": tokens / padded,
+            "inference_ref_packed_tokens_per_s": ours_tps,
+            "speedup": ours_tps / hf_tps,
+            "linear_roofline_tokens_per_s": PEAK_BF16 / flops,
+            "inference_ref_fraction_of_roofline": ours_tps * flops / PEAK_BF16,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

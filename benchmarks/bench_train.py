@@ -1,0 +1,136 @@
+"""Training throughput, MFU and peak memory of the rmsnorm-restored head (random weights, synthetic store).
+
+    accelerate launch --config_file recipes/accelerate/zero2_1gpu.yaml -m benchmarks.bench_train --shape llama3_8b
+
+MFU counts every model FLOP of a step: the head (fc + one decoder layer, forward and backward,
+attention included), the draft logits (forward + backward) and the target logits recomputed from
+the stored states (forward only). Recomputation inside the chunked loss is not counted (it is
+overhead, not model work). A second part measures the loss' peak memory at two vocabulary
+sizes with the same tokens: chunking keeps it flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from accelerate import Accelerator
+
+from benchmarks.common import linear_flops_per_token, shape, write_result
+from mtp_train.batching import collate
+from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.losses import DraftObjective, LossWeights, draft_loss
+from mtp_train.train import configure_deepspeed
+
+PEAK_BF16 = 797e12
+
+
+def synthetic_samples(cfg, tokens: int, length: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(tokens // length):
+        ids = torch.randint(0, cfg.vocab_size, (length,), generator=g)
+        out.append((ids, torch.ones(length, dtype=torch.long), torch.randn(length, cfg.hidden_size, generator=g).bfloat16()))
+    return out
+
+
+def step_flops(cfg, tokens: int, mean_len: int) -> float:
+    h, v = cfg.hidden_size, cfg.vocab_size
+    layer = linear_flops_per_token(cfg) / cfg.num_hidden_layers
+    attention = 2 * 2 * cfg.num_attention_heads * cfg.head_dim * mean_len / 2  # causal QK^T and PV
+    head = 2 * 2 * h * h + layer + attention
+    return tokens * (3 * (head + 2 * h * v) + 2 * h * v)
+
+
+def frozen(cfg, device):
+    return {
+        "model.embed_tokens.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02,
+        "model.norm.weight": torch.ones(cfg.hidden_size, device=device, dtype=torch.bfloat16),
+        "lm_head.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02,
+    }
+
+
+class TrainConfigView:
+    grad_accum = 1
+    grad_clip = 1.0
+
+
+def throughput(args, acc: Accelerator) -> dict:
+    cfg = shape(args.shape)
+    head = MTPHead(HeadConfig("rmsnorm-restored", cfg), frozen(cfg, acc.device))
+    objective = DraftObjective(head, LossWeights(), chunk_logits=args.chunk_logits, decay=0.8)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
+    configure_deepspeed(acc, TrainConfigView)
+    objective, optimizer = acc.prepare(objective, optimizer)
+    dtype = next(acc.unwrap_model(objective).head.parameters()).dtype
+    batch = collate(synthetic_samples(cfg, args.tokens, args.sample_len), steps=1).to(acc.device, dtype)
+    torch.cuda.reset_peak_memory_stats()
+
+    def one_step():
+        loss, _ = objective(batch)
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(args.warmup):
+        one_step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        one_step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / args.steps
+    tokens = batch.tokens - len(batch.segments.cu_seqlens) + 1
+    flops = step_flops(cfg, tokens, args.sample_len)
+    return {
+        "micro_batch_tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "step_seconds": seconds,
+        "tflops_per_s": flops / seconds / 1e12,
+        "mfu": flops / seconds / PEAK_BF16,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "head_parameters": sum(p.numel() for p in acc.unwrap_model(objective).head.parameters()),
+    }
+
+
+def loss_memory(hidden: int, vocab: int, tokens: int, chunk: int) -> float:
+    """Peak GiB above the inputs for forward + backward of the chunked loss."""
+    z = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    lm_head = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    draft_loss(z, target, lm_head, LossWeights(), chunk).loss.backward()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="llama3_8b")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--sample-len", type=int, default=1024)
+    p.add_argument("--chunk-logits", type=int, default=2**27)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args()
+    acc = Accelerator()
+    figures = {
+        "command": "accelerate launch --config_file recipes/accelerate/zero2_1gpu.yaml -m benchmarks.bench_train "
+        f"--shape {args.shape} --tokens {args.tokens}",
+        "distributed": str(acc.distributed_type),
+        **throughput(args, acc),
+    }
+    h = shape(args.shape).hidden_size
+    for vocab in (49152, 128256):
+        rows = max(1, args.chunk_logits // vocab)
+        figures[f"loss_peak_gib_vocab_{vocab}"] = loss_memory(h, vocab, args.tokens, rows)
+    figures["loss_peak_gib_vocab_128k_unchunked_estimate"] = args.tokens * 128256 * 4 * 3 / 2**30
+    if acc.is_main_process:
+        write_result(f"train_{args.shape}", figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Validate a head through the serving implementations: `python -m mtp_train.validate`.
+
+Two measurements, both on the evaluation prompts (MT-bench by default, every turn answered in order):
+
+- speculative decoding with inference_ref's target and draft, for each chain length k and
+  temperature: per-position acceptance, mean accepted length τ, the draft/target time split, and
+  (greedy) whether the output equals target-only greedy output;
+- the teacher-forced loss and top-1 on the target's own answers, computed twice: by the training
+  module on states from the precompute path rounded to the store's dtype, and by the inference
+  draft on states from the target's KV-cache path. Their difference is `parity_gap`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import torch
+from transformers import AutoTokenizer
+
+from inference_ref.draft import MTPDraft, load_draft
+from inference_ref.generate import generate, prefill
+from inference_ref.llama import LlamaModel, cu_seqlens_of
+from inference_ref.loading import load_llama
+from inference_ref.speculative import SpecStats, speculative_generate
+from mtp_train.batching import align_sample, collate
+from mtp_train.config import RunConfig
+from mtp_train.data import Conversation, Prompt, Sample, encode, load_prompts, prompt_ids
+from mtp_train.export import load_head
+from mtp_train.heads import MTPHead
+from mtp_train.losses import DraftObjective, LossWeights
+from mtp_train.targets import check_same_target, resolve_target, target_identity
+from mtp_train.train import compute_dtype
+
+
+@dataclass
+class Evaluator:
+    """Target, draft and tokenizer loaded once, for the validation passes."""
+
+    target: LlamaModel
+    draft: MTPDraft
+    tokenizer: object
+    eos: list[int]
+
+    @classmethod
+    def load(cls, target_dir: Path, head_dir: Path, device, dtype) -> Evaluator:
+        config = json.loads((Path(head_dir) / "config.json").read_text())
+        check_same_target(target_identity(target_dir), config["target"], f"head {head_dir}")
+        target = load_llama(target_dir, device, dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
+        return cls(target, load_draft(head_dir, target), tokenizer, eos)
+
+
+# --- speculative decoding ---------------------------------------------------------------------
+
+
+def merge(total: SpecStats, part: SpecStats) -> None:
+    for j in range(total.k):
+        total.tried[j] += part.tried[j]
+        total.accepted[j] += part.accepted[j]
+    total.steps += part.steps
+    total.emitted += part.emitted
+    total.draft_s += part.draft_s
+    total.target_s += part.target_s
+
+
+def answer_turns(ev: Evaluator, prompts: list[Prompt], batch_size: int, answer) -> list[list[dict]]:
+    """Answer every prompt's turns in order (turn 2 sees the answer to turn 1); `answer(ids)` gives
+    new tokens per prompt. Returns the dialogs."""
+    dialogs: list[list[dict]] = [[] for _ in prompts]
+    for turn in range(max(len(p.turns) for p in prompts)):
+        asking = [i for i, p in enumerate(prompts) if turn < len(p.turns)]
+        for start in range(0, len(asking), batch_size):
+            rows = asking[start : start + batch_size]
+            ids = prompt_ids(ev.tokenizer, [dialogs[i] + prompts[i].turns[turn] for i in rows])
+            for i, new in zip(rows, answer(ids)):
+                text = ev.tokenizer.decode([t for t in new if t not in ev.eos])
+                dialogs[i] += prompts[i].turns[turn] + [{"role": "assistant", "content": text}]
+    return dialogs
+
+
+def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, seed: int):
+    stats = SpecStats(k)
+    tokens: list[list[int]] = []
+    generator = torch.Generator(device=ev.target.embed_tokens.weight.device).manual_seed(seed)
+
+    def answer(ids):
+        out = speculative_generate(ev.target, ev.draft, ids, vc.max_new_tokens, ev.eos, k, temperature, generator)
+        merge(stats, out.stats)
+        tokens.extend(out.tokens)
+        return out.tokens
+
+    started = time.perf_counter()
+    dialogs = answer_turns(ev, prompts, vc.batch_size, answer)
+    seconds = time.perf_counter() - started
+    new_tokens = sum(map(len, tokens))
+    report = {
+        "accept_rate": stats.accept_rate,
+        "mean_accepted_len": stats.mean_accepted_len,
+        "new_tokens": new_tokens,
+        "seconds": seconds,
+        "tokens_per_s": new_tokens / seconds,
+        "draft_s": stats.draft_s,
+        "target_s": stats.target_s,
+    }
+    return report, dialogs, tokens
+
+
+def target_only_pass(ev: Evaluator, prompts, vc):
+    tokens: list[list[int]] = []
+
+    def answer(ids):
+        out = generate(ev.target, ids, vc.max_new_tokens, ev.eos)
+        tokens.extend(out)
+        return out
+
+    started = time.perf_counter()
+    dialogs = answer_turns(ev, prompts, vc.batch_size, answer)
+    seconds = time.perf_counter() - started
+    new_tokens = sum(map(len, tokens))
+    return {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds}, dialogs, tokens
+
+
+# --- teacher-forced loss, twice -----------------------------------------------------------------
+
+
+def trainer_path(head: MTPHead, target: LlamaModel, samples: list[Sample], store_dtype, chunk_logits: int):
+    """CE and top-1 by the training module on packed-forward states rounded to the store's dtype."""
+    objective = DraftObjective(head, LossWeights(1.0, 0.0), chunk_logits, 1.0)
+    ce = top1 = count = 0.0
+    device, dtype = target.embed_tokens.weight.device, next(head.parameters()).dtype
+    for s in samples:
+        ids = torch.tensor(s.input_ids, device=device)
+        hidden, _ = target.forward_packed(ids, cu_seqlens_of([len(ids)], device))
+        hidden = hidden.to(store_dtype).to(dtype).clone()  # out of inference mode
+        sample = (ids.cpu(), torch.tensor(s.loss_mask), hidden.cpu())
+        with torch.no_grad():
+            _, m = objective(collate([sample], steps=1).to(device, dtype))
+        n = float(m["count"])
+        ce, top1, count = ce + float(m["ce"]) * n, top1 + float(m["top1"]) * n, count + n
+    return {"ce": ce / max(count, 1), "top1": top1 / max(count, 1), "positions": int(count)}
+
+
+@torch.inference_mode()
+def inference_path(ev: Evaluator, samples: list[Sample]):
+    """CE and top-1 by the serving draft on the target's KV-cache (prefill) states."""
+    ce = top1 = count = 0.0
+    for s in samples:
+        n = len(s.input_ids)
+        cache, hidden = prefill(ev.target, [s.input_ids], n)
+        ids = torch.tensor([s.input_ids], device=hidden.device)
+        draft_cache = ev.draft.new_cache(1, n)
+        y = ev.draft.prefill(hidden[:, :-1], ids[:, 1:], draft_cache)
+        draft_logits = ev.draft.logits(y)[0]
+        target_logits = ev.target.logits(hidden[0, 1:])
+        _, _, valid = align_sample(torch.tensor(s.input_ids), torch.tensor(s.loss_mask), 0, 1)
+        rows = valid[0].to(hidden.device)
+        p = target_logits[rows].softmax(-1)
+        ce += float(-(p * draft_logits[rows].log_softmax(-1)).sum())
+        top1 += float((draft_logits[rows].argmax(-1) == target_logits[rows].argmax(-1)).sum())
+        count += int(rows.sum())
+    return {"ce": ce / max(count, 1), "top1": top1 / max(count, 1), "positions": int(count)}
+
+
+def teacher_forced(ev: Evaluator, head: MTPHead, samples: list[Sample], store_dtype, chunk_logits: int) -> dict:
+    trainer = trainer_path(head, ev.target, samples, store_dtype, chunk_logits)
+    inference = inference_path(ev, samples)
+    gap = {k: abs(trainer[k] - inference[k]) for k in ("ce", "top1")}
+    return {"trainer": trainer, "inference": inference, "parity_gap": gap, "store_dtype": str(store_dtype)}
+
+
+def samples_of(ev: Evaluator, dialogs: list[list[dict]], limit: int, max_len: int) -> list[Sample]:
+    convs = [Conversation(d, f"eval:{i}", str(i)) for i, d in enumerate(dialogs[:limit]) if d]
+    return [Sample(s.input_ids[:max_len], s.loss_mask[:max_len], s.source) for s in encode(ev.tokenizer, convs)]
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def run_validation(cfg: RunConfig) -> dict:
+    vc = cfg.validate
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = compute_dtype(cfg.model.dtype, device)
+    target_dir = resolve_target(cfg.model.target)
+    ev = Evaluator.load(target_dir, Path(vc.head), device, dtype)
+    prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)
+    baseline, base_dialogs, base_tokens = target_only_pass(ev, prompts, vc)
+    report = {
+        "head": str(vc.head),
+        "target": str(target_dir),
+        "eval_files": list(vc.eval_files),
+        "prompts": len(prompts),
+        "turns": sum(len(p.turns) for p in prompts),
+        "max_new_tokens": vc.max_new_tokens,
+        "batch_size": vc.batch_size,
+        "target_only": baseline,
+        "speculative": {},
+    }
+    for temperature in vc.temperatures:
+        name = "greedy" if temperature == 0 else f"T={temperature:g}"
+        runs = report["speculative"][name] = {}
+        for k in vc.chain_lengths:
+            run, _, tokens = speculative_pass(ev, prompts, k, temperature, vc, vc.seed)
+            if temperature == 0:
+                run["identical_to_target_greedy"] = tokens == base_tokens
+            run["speedup_vs_target_only"] = run["tokens_per_s"] / baseline["tokens_per_s"]
+            runs[f"k={k}"] = run
+    head = load_head(vc.head, target_dir).to(device=device, dtype=dtype)
+    samples = samples_of(ev, base_dialogs, vc.teacher_forced_samples, cfg.data.max_seq_len)
+    store_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    report["teacher_forced"] = teacher_forced(ev, head, samples, store_dtype, cfg.train.loss_chunk_logits)
+    write_report(report, Path(vc.report))
+    return report
+
+
+def write_report(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    plot_acceptance(report, path.with_suffix(".png"))
+
+
+def plot_acceptance(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = report["speculative"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
+    for ax, (mode, runs) in zip(axes[0], modes.items()):
+        for name, run in runs.items():
+            rates = run["accept_rate"]
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name}  τ={run['mean_accepted_len']:.2f}")
+        ax.set(title=f"acceptance by position ({mode})", xlabel="draft position j", ylabel="accept rate", ylim=(0, 1))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summary(report: dict) -> str:
+    lines = []
+    tf = report["teacher_forced"]
+    lines.append(
+        f"teacher-forced: CE {tf['inference']['ce']:.3f}  top-1 {tf['inference']['top1']:.3f}  "
+        f"(trainer path {tf['trainer']['ce']:.3f} / {tf['trainer']['top1']:.3f}, gap {tf['parity_gap']['ce']:.1e})"
+    )
+    for mode, runs in report["speculative"].items():
+        for name, run in runs.items():
+            rates = " ".join(f"{r:.2f}" for r in run["accept_rate"])
+            same = run.get("identical_to_target_greedy")
+            check = "" if same is None else f"  same-as-target {same}"
+            lines.append(f"{mode:7s} {name}: τ {run['mean_accepted_len']:.2f}  accept [{rates}]{check}")
+    return "\n".join(lines)
+
+
+@hydra.main(config_path="../recipes", config_name="config", version_base=None)
+def main(cfg: RunConfig) -> None:
+    report = run_validation(cfg)
+    print(summary(report))
+    print(f"report: {cfg.validate.report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Self-distillation on the tiny random target: output format, multi-turn order, kill and resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+import mtp_train.regenerate as regen
+from inference_ref.generate import generate
+from inference_ref.loading import load_llama
+from mtp_train.config import DataConfig, RegenerateConfig
+from mtp_train.data import load_samples, prompt_ids
+from mtp_train.regenerate import Counts, answer_text, regenerate
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+PROMPTS = [
+    {"question_id": 81, "turns": ["Name a fruit.", "And a vegetable?"]},
+    {
+        "id": "sys",
+        "messages": [SYSTEM, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "OLD"}],
+    },
+    {"question": "What is 2 + 2?", "answer": "#### 4"},
+    {"prompt": "Write a haiku about the sea, please, in the style of an old sailor."},
+    {"instruction": "Sort these numbers.", "input": "3 1 2"},
+    {"id": "long", "prompt": "word " * 300},
+]
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    return str(path)
+
+
+def config(prompts_file, tmp_path, **kw) -> RegenerateConfig:
+    defaults = dict(max_new_tokens=3, batch_size=2, max_prompt_tokens=128)
+    return RegenerateConfig(
+        prompts=[prompts_file], output=str(tmp_path / "out" / "regen.jsonl"), **{**defaults, **kw}
+    )
+
+
+def read(path) -> list[dict]:
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def test_output_format_and_multi_turn_order(tiny_target, prompts_file, tmp_path):
+    cfg = config(prompts_file, tmp_path)
+    counts = regenerate(cfg, tiny_target)
+    records = {r["id"]: r for r in read(cfg.output)}
+    assert counts["written"] == 5 and counts["skipped"] == 1  # "long" is over max_prompt_tokens
+    assert sorted(records) == sorted(
+        ["81", "sys", f"{prompts_file}:3", f"{prompts_file}:4", f"{prompts_file}:5"]
+    )
+    assert counts["new_tokens"] <= 3 * 6  # six answers (MT-bench has two turns) of at most 3 tokens
+    for r in records.values():
+        assert set(r) == {"id", "source", "messages"}
+        assert all(set(m) == {"role", "content"} and isinstance(m["content"], str) for m in r["messages"])
+        assert r["messages"][-1]["role"] == "assistant" and "<|im_end|>" not in r["messages"][-1]["content"]
+    assert records["81"]["source"] == f"{prompts_file}:1"
+    assert [m["role"] for m in records["81"]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in records["81"]["messages"][::2]] == ["Name a fruit.", "And a vegetable?"]
+    sys_msgs = records["sys"]["messages"]
+    assert sys_msgs[:2] == [SYSTEM, {"role": "user", "content": "Hi"}] and sys_msgs[2]["content"] != "OLD"
+    # The output is training data: it loads, and every sample has supervised tokens.
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_target))
+    _, data_counts = load_samples(DataConfig(train_files=[cfg.output]), tokenizer)
+    assert data_counts["samples"] == 5
+
+
+def test_turn_two_sees_the_targets_own_answer_to_turn_one(tiny_target, prompts_file, tmp_path):
+    cfg = config(prompts_file, tmp_path, batch_size=1, limit=1)
+    regenerate(cfg, tiny_target)
+    (record,) = read(cfg.output)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_target))
+    model = load_llama(tiny_target)
+    eos = sorted(set(model.cfg.eos_token_ids) | {tokenizer.eos_token_id})
+    for turn in (1, 3):  # greedy, one conversation per batch: exactly the direct call
+        ids = prompt_ids(tokenizer, [record["messages"][:turn]])
+        (new,) = generate(model, ids, 3, eos)
+        assert record["messages"][turn]["content"] == tokenizer.decode(new)
+
+
+def test_answer_text_drops_the_eos_and_counts_unfinished(smollm2):
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
+    hello = tokenizer("Hello!", add_special_tokens=False)["input_ids"]
+    counts = Counts()
+    assert answer_text(tokenizer, hello + [2], {2}, counts) == "Hello!"
+    assert answer_text(tokenizer, hello, {2}, counts) == "Hello!"
+    assert (counts.unfinished, counts.new_tokens) == (1, 2 * len(hello) + 1)
+
+
+def test_limit_then_resume_writes_everything_once(tiny_target, prompts_file, tmp_path):
+    cfg = config(prompts_file, tmp_path, limit=3)
+    assert regenerate(cfg, tiny_target)["written"] == 3
+    first = read(cfg.output)
+    cfg.limit = None
+    counts = regenerate(cfg, tiny_target)
+    assert (counts["already_done"], counts["written"], counts["skipped"]) == (3, 2, 1)
+    records = read(cfg.output)
+    assert records[:3] == first
+    assert sorted(r["id"] for r in records) == sorted({r["id"] for r in records}) and len(records) == 5
+
+
+def test_killed_run_resumes_without_duplicates_or_losses(tiny_target, prompts_file, tmp_path, monkeypatch):
+    calls = []
+
+    def dies_on_third_call(*args, **kwargs):
+        calls.append(1)
+        # Longest first: batch 1 is the haiku and the instruction (one call), batch 2 the question
+        # and MT-bench, which dies after answering turn 1, in flight.
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return generate(*args, **kwargs)
+
+    cfg = config(prompts_file, tmp_path)
+    monkeypatch.setattr(regen, "generate", dies_on_third_call)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(cfg, tiny_target)
+    survived = read(cfg.output)
+    assert len(survived) == 2  # the first batch, complete
+    with open(cfg.output, "a") as f:
+        f.write('{"id": "torn", "messa')  # a kill in the middle of a write
+    monkeypatch.setattr(regen, "generate", generate)
+    counts = regenerate(cfg, tiny_target)
+    assert (counts["already_done"], counts["written"]) == (2, 3)
+    records = read(cfg.output)
+    assert records[:2] == survived
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids)) == 5 and "torn" not in ids
+    assert regenerate(cfg, tiny_target)["written"] == 0
+
+
+def test_command_line(tiny_target, prompts_file, tmp_path):
+    out = tmp_path / "cli.jsonl"
+    args = [
+        "model=tiny_random",
+        f"model.target={tiny_target}",
+        f"run_dir={tmp_path}",
+        f"regenerate.prompts=[{prompts_file}]",
+        f"regenerate.output={out}",
+        "regenerate.max_new_tokens=2",
+        "regenerate.max_prompt_tokens=128",
+        "regenerate.temperature=1.0",
+    ]
+    subprocess.run([sys.executable, "-m", "mtp_train.regenerate", *args], check=True, capture_output=True)
+    assert len(read(out)) == 5
