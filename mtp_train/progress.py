@@ -31,10 +31,12 @@ class Progress:
         self.window_tokens, self.window_start = 0, time.time()
         self.wandb = start_wandb(cfg) if acc.is_main_process else None
         self.last: dict[str, float] = {}
+        self.tokens = 0  # stored tokens this process trained on since (re)start
 
     def step(self, step: int, stats, grad_norm, lr: float) -> None:
         """stats: one (loss, metrics, tokens) per micro-batch of this process."""
         self.window_tokens += sum(t for _, _, t in stats)
+        self.tokens += sum(t for _, _, t in stats)
         if step % self.every and step != self.total:
             return
         values = self._reduce(stats)
@@ -72,6 +74,14 @@ class Progress:
         for i, k in enumerate(names):
             out[k] = float(total[1 + i] / total[1 + len(names) + i].clamp(min=1))
         return out
+
+    def summary(self) -> dict:
+        """Last logged figures plus the tokens and time of this (possibly resumed) run."""
+        return {
+            **self.last,
+            "tokens": self.tokens * self.acc.num_processes,
+            "seconds": time.time() - self.started,
+        }
 
     def close(self) -> None:
         if self.wandb is not None:

@@ -10,6 +10,7 @@ with accumulation N·A, and a resumed run continues from its step number.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -133,6 +134,8 @@ def train(cfg: RunConfig) -> Path:
         if tc.export_every and done % tc.export_every == 0 and done != tc.steps:
             export_head(acc, objective, out_dir / f"head-step{done:07d}", identity, cfg, done)
     head_dir = export_head(acc, objective, out_dir / "head", identity, cfg, tc.steps)
+    if acc.is_main_process:
+        (out_dir / "train_summary.json").write_text(json.dumps({"steps": tc.steps, **progress.summary()}, indent=2))
     progress.close()
     return head_dir
 

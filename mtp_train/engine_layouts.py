@@ -1,0 +1,295 @@
+"""Serving-engine layouts of a trained head: names, shapes and config.json as an engine's loader reads them.
+
+Each table below was written down from the engine's loader code (file and commit named next to it);
+no engine is imported. A layout exists only where the loader rebuilds the head's math exactly: a
+loader that silently drops a norm or a bias would serve a different function than the one trained.
+docs/export.md says which engine serves which layout and why the rmsnorm-restored head on a Llama
+target has none.
+
+Shapes are symbolic (`"H"`, `"QD"`, ...) and resolved against the target's dimensions by `resolve`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from inference_ref.config import LlamaConfig
+
+Symbolic = dict[str, tuple[str, ...]]
+Table = dict[str, tuple[int, ...]]
+
+
+class LayoutUnsupported(ValueError):
+    """The requested engine layout cannot carry this head without changing its math."""
+
+
+def llama_dims(cfg: LlamaConfig) -> dict[str, int]:
+    """Symbols of the Llama-kind tables."""
+    h = cfg.hidden_size
+    return {
+        "H": h,
+        "2H": 2 * h,
+        "I": cfg.intermediate_size,
+        "V": cfg.vocab_size,
+        "QD": cfg.num_attention_heads * cfg.head_dim,
+        "KVD": cfg.num_key_value_heads * cfg.head_dim,
+    }
+
+
+def resolve(symbolic: Symbolic, dims: Mapping[str, int], prefix: str = "") -> Table:
+    return {prefix + name: tuple(dims[d] for d in shape) for name, shape in symbolic.items()}
+
+
+def check_layout(tensors: Mapping[str, torch.Tensor], table: Table, what: str = "layout") -> None:
+    """Raise unless `tensors` has exactly the names of `table`, each with its shape."""
+    missing = sorted(set(table) - set(tensors))
+    extra = sorted(set(tensors) - set(table))
+    wrong = [
+        f"{n} {tuple(tensors[n].shape)} (expected {table[n]})"
+        for n in sorted(set(table) & set(tensors))
+        if tuple(tensors[n].shape) != table[n]
+    ]
+    if missing or extra or wrong:
+        raise ValueError(f"{what}: missing {missing}, unexpected {extra}, wrong shapes {wrong}")
+
+
+@dataclass
+class EngineExport:
+    """One engine layout of a head, ready to write: tensors, config.json, and the table they must match."""
+
+    tensors: dict[str, torch.Tensor]
+    config: dict
+    table: Table
+
+
+# ---------------------------------------------------------------------------------------------
+# The Llama decoder layer under Hugging Face names, as both engines' Llama loaders read it
+# (q/k/v and gate/up are fused at load time by their stacked_params_mapping).
+LLAMA_BLOCK: Symbolic = {
+    "self_attn.q_proj.weight": ("QD", "H"),
+    "self_attn.k_proj.weight": ("KVD", "H"),
+    "self_attn.v_proj.weight": ("KVD", "H"),
+    "self_attn.o_proj.weight": ("H", "QD"),
+    "post_attention_layernorm.weight": ("H",),
+    "mlp.gate_proj.weight": ("I", "H"),
+    "mlp.up_proj.weight": ("I", "H"),
+    "mlp.down_proj.weight": ("H", "I"),
+}
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-1 for Llama targets.
+# Read from SGLang python/sglang/srt/models/llama_eagle.py @ 034b3be819faf3f84c5aae5a4cda27bdf2e12de0
+# (`LlamaForCausalLMEagle`): `model.fc = nn.Linear(2H, H)` with its default bias, input
+# `cat(embed(t), hidden)`; layer 0's input_layernorm is replaced by the identity (so the checkpoint
+# has none); the output is `hidden + residual` with no final norm; load_weights prefixes `model.` and
+# drops `lm_head*`, and the EAGLE worker swaps in the target's embedding and lm_head.
+# The EAGLE repo's loader agrees (SafeAILab/EAGLE eagle/model/cnets1.py @ 2174a790d71a41a2e7549e14fef7d277435894b9:
+# `fc` bias from config key "bias", default true; layer index 0 has no input_layernorm), but it reads a
+# pickled pytorch_model.bin, which this project does not write.
+# vLLM's EagleLlamaForCausalLM (vllm/model_executor/models/llama_eagle.py @ e1c4a55214c63e19e83f82ad6c552d82148bae0b)
+# builds `fc` with bias=False: it cannot load this layout (see docs/export.md).
+EAGLE1_SGLANG: Symbolic = {
+    "fc.weight": ("H", "2H"),
+    "fc.bias": ("H",),
+    **{f"layers.0.{name}": shape for name, shape in LLAMA_BLOCK.items()},
+}
+
+
+def eagle1_export(tensors: Mapping[str, torch.Tensor], layer_config: dict, variant: str) -> EngineExport:
+    """The eagle1 head as SGLang's `LlamaForCausalLMEagle` loads it."""
+    if variant != "eagle1":
+        raise LayoutUnsupported(
+            f"layout eagle1: a {variant} head has enorm/hnorm, layer 0's input_layernorm and a final "
+            "norm; the EAGLE-1 loaders (SGLang/vLLM llama_eagle.py) have none of them. "
+            "See docs/export.md for why a rmsnorm-restored head has no engine layout on a Llama target."
+        )
+    _require_llama(layer_config, "eagle1")
+    out = {"fc.weight": tensors["fc.weight"], "fc.bias": tensors["fc.bias"]}
+    out.update({f"layers.0.{n[len('layer.') :]}": t for n, t in tensors.items() if n.startswith("layer.")})
+    config = {
+        **layer_config,
+        "architectures": ["LlamaForCausalLMEagle"],
+        "num_hidden_layers": 1,
+        "bias": True,  # the EAGLE repo's key for the fc bias
+        "torch_dtype": _dtype_name(tensors["fc.weight"].dtype),
+    }
+    table = resolve(EAGLE1_SGLANG, llama_dims(LlamaConfig.from_hf(layer_config)))
+    return EngineExport(out, config, table)
+
+
+def _require_llama(layer_config: dict, layout: str) -> None:
+    if layer_config.get("model_type") != "llama":
+        raise LayoutUnsupported(
+            f"layout {layout}: needs a Llama target, not {layer_config.get('model_type')!r}"
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek MTP (DeepSeek-V2/V3 kind targets; there is no DeepSeek target in the repo yet).
+# Read from vLLM vllm/model_executor/models/deepseek_mtp.py @ 03356f8cb59ba27f3d0ce8866d7516b5e32cff65
+# (`DeepSeekMultiTokenPredictorLayer`, `DeepSeekMTP.load_weights`, `_rewrite_spec_layer_name`): the MTP
+# layer is `model.layers.{N}` with N = config.num_hidden_layers; `enorm`, `hnorm`, `eh_proj`
+# (Linear 2H→H, no bias, input `cat(enorm(embed), hnorm(h))`) and `shared_head.norm` live under it,
+# every other name under it is the block, a `DeepseekV2DecoderLayer` (input_layernorm kept); logits are
+# `shared_head.head(shared_head.norm(y))`, and the next step is fed y (pre-norm).
+# `embed_tokens` and `shared_head.head` are shared with the target by recent vLLM and SGLang; DeepSeek's
+# own checkpoints also carry them under layer N, so they are written when `store_shared`.
+# SGLang python/sglang/srt/models/deepseek_nextn.py @ c28bdc9012d29bed6b96688a44d6788157ef3d86 reads the
+# same names through DeepseekV2ForCausalLM.load_weights(is_nextn=True), whose layer index is
+# `0 if num_hidden_layers == 1 else num_hidden_layers`; so one directory serves both.
+DEEPSEEK_MTP_OWN: Symbolic = {
+    "enorm.weight": ("H",),
+    "hnorm.weight": ("H",),
+    "eh_proj.weight": ("H", "2H"),
+    "shared_head.norm.weight": ("H",),
+}
+DEEPSEEK_MTP_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "shared_head.head.weight": ("V", "H")}
+
+# The DeepSeek-V2/V3 decoder layer, read from vLLM vllm/model_executor/models/deepseek_v2.py
+# (DeepseekV2MLAAttention, DeepseekV2MoE, DeepseekV2MLP; checkpoint names before vLLM's fusions).
+DEEPSEEK_Q_FULL: Symbolic = {"self_attn.q_proj.weight": ("NQK", "H")}
+DEEPSEEK_Q_LORA: Symbolic = {
+    "self_attn.q_a_proj.weight": ("QR", "H"),
+    "self_attn.q_a_layernorm.weight": ("QR",),
+    "self_attn.q_b_proj.weight": ("NQK", "QR"),
+}
+DEEPSEEK_KV_O: Symbolic = {
+    "self_attn.kv_a_proj_with_mqa.weight": ("KVR+R", "H"),
+    "self_attn.kv_a_layernorm.weight": ("KVR",),
+    "self_attn.kv_b_proj.weight": ("NKV", "KVR"),
+    "self_attn.o_proj.weight": ("H", "NV"),
+    "input_layernorm.weight": ("H",),
+    "post_attention_layernorm.weight": ("H",),
+}
+DEEPSEEK_DENSE_MLP: Symbolic = {
+    "mlp.gate_proj.weight": ("I", "H"),
+    "mlp.up_proj.weight": ("I", "H"),
+    "mlp.down_proj.weight": ("H", "I"),
+}
+DEEPSEEK_MOE: Symbolic = {
+    "mlp.gate.weight": ("E", "H"),
+    "mlp.shared_experts.gate_proj.weight": ("SI", "H"),
+    "mlp.shared_experts.up_proj.weight": ("SI", "H"),
+    "mlp.shared_experts.down_proj.weight": ("H", "SI"),
+}
+DEEPSEEK_EXPERT: Symbolic = {
+    "mlp.experts.{e}.gate_proj.weight": ("MI", "H"),
+    "mlp.experts.{e}.up_proj.weight": ("MI", "H"),
+    "mlp.experts.{e}.down_proj.weight": ("H", "MI"),
+}
+DEEPSEEK_NOAUX: Symbolic = {"mlp.gate.e_score_correction_bias": ("E",)}  # V3 routing (topk_method noaux_tc)
+
+
+def deepseek_dims(hf: Mapping) -> dict[str, int]:
+    """Symbols of the DeepSeek tables, from the target's Hugging Face config.json."""
+    n, qk = hf["num_attention_heads"], hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
+    return {
+        "H": hf["hidden_size"],
+        "2H": 2 * hf["hidden_size"],
+        "V": hf["vocab_size"],
+        "I": hf["intermediate_size"],
+        "QR": hf.get("q_lora_rank") or 0,
+        "KVR": hf["kv_lora_rank"],
+        "KVR+R": hf["kv_lora_rank"] + hf["qk_rope_head_dim"],
+        "NQK": n * qk,
+        "NKV": n * (hf["qk_nope_head_dim"] + hf["v_head_dim"]),
+        "NV": n * hf["v_head_dim"],
+        "E": hf.get("n_routed_experts") or 0,
+        "MI": hf.get("moe_intermediate_size") or 0,
+        "SI": (hf.get("moe_intermediate_size") or 0) * (hf.get("n_shared_experts") or 0),
+    }
+
+
+def deepseek_is_moe(hf: Mapping, layer: int) -> bool:
+    """vLLM DeepseekV2DecoderLayer's rule for a MoE MLP at `layer`."""
+    return (
+        hf.get("n_routed_experts") is not None
+        and layer >= hf.get("first_k_dense_replace", 0)
+        and layer % hf.get("moe_layer_freq", 1) == 0
+    )
+
+
+def deepseek_layer_symbolic(hf: Mapping, layer: int) -> Symbolic:
+    """Names and symbolic shapes of one DeepSeek decoder layer (relative to `model.layers.{layer}.`)."""
+    table = {**(DEEPSEEK_Q_LORA if hf.get("q_lora_rank") else DEEPSEEK_Q_FULL), **DEEPSEEK_KV_O}
+    if not deepseek_is_moe(hf, layer):
+        return {**table, **DEEPSEEK_DENSE_MLP}
+    table.update({k: v for k, v in DEEPSEEK_MOE.items() if "shared" not in k or hf.get("n_shared_experts")})
+    if hf.get("topk_method") == "noaux_tc":
+        table.update(DEEPSEEK_NOAUX)
+    for e in range(hf["n_routed_experts"]):
+        table.update({k.format(e=e): v for k, v in DEEPSEEK_EXPERT.items()})
+    return table
+
+
+def deepseek_mtp_table(hf: Mapping, store_shared: bool) -> Table:
+    """The MTP layer's full table under `model.layers.{num_hidden_layers}.`."""
+    n = hf["num_hidden_layers"]
+    symbolic = {**DEEPSEEK_MTP_OWN, **deepseek_layer_symbolic(hf, n)}
+    if store_shared:
+        symbolic.update(DEEPSEEK_MTP_SHARED)
+    return resolve(symbolic, deepseek_dims(hf), prefix=f"model.layers.{n}.")
+
+
+# Native head name → name under model.layers.{N}. The block's names pass through unchanged: a
+# DeepSeek-kind head's `layer.*` tensors carry the DeepSeek layer's own names.
+DEEPSEEK_RENAME = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "fc.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+    "embed_tokens.weight": "embed_tokens.weight",
+    "lm_head.weight": "shared_head.head.weight",
+}
+
+
+def to_deepseek_mtp(tensors: Mapping[str, torch.Tensor], num_hidden_layers: int) -> dict[str, torch.Tensor]:
+    """Rename a rmsnorm-restored head's tensors into the DeepSeek MTP layer `model.layers.{N}`."""
+    prefix = f"model.layers.{num_hidden_layers}."
+    out = {}
+    for name, t in tensors.items():
+        inner = name[len("layer.") :] if name.startswith("layer.") else DEEPSEEK_RENAME[name]
+        out[prefix + inner] = t
+    return out
+
+
+def deepseek_mtp_export(
+    tensors: Mapping[str, torch.Tensor], layer_config: dict, variant: str
+) -> EngineExport:
+    """The head as vLLM's DeepSeekMTP and SGLang's DeepseekV3ForCausalLMNextN load it."""
+    if layer_config.get("model_type") not in ("deepseek_v2", "deepseek_v3"):
+        raise LayoutUnsupported(
+            "layout deepseek_mtp: the DeepSeek MTP loaders (vLLM deepseek_mtp.py, SGLang deepseek_nextn.py) "
+            "build the block as a DeepseekV2DecoderLayer (MLA attention, MoE); a "
+            f"{layer_config.get('model_type')!r} layer has no tensors there. See docs/export.md."
+        )
+    if variant != "rmsnorm-restored":
+        raise LayoutUnsupported(f"layout deepseek_mtp: needs enorm/hnorm/norm, which a {variant} head lacks")
+    store_shared = "lm_head.weight" in tensors
+    out = to_deepseek_mtp(tensors, layer_config["num_hidden_layers"])
+    return EngineExport(
+        out, deepseek_mtp_config(layer_config), deepseek_mtp_table(layer_config, store_shared)
+    )
+
+
+def deepseek_mtp_config(hf: Mapping) -> dict:
+    """The target's config with one next-n layer. vLLM turns model_type deepseek_v3 into its
+    DeepSeekMTPModel; SGLang turns a draft's DeepseekV3ForCausalLM into DeepseekV3ForCausalLMNextN.
+    A V2 target keeps its own routing fields (topk_method, scoring_func), which both read."""
+    return {
+        **hf,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_nextn_predict_layers": 1,
+    }
+
+
+Exporter = Callable[[Mapping[str, torch.Tensor], dict, str], EngineExport]
+LAYOUTS: dict[str, Exporter] = {"eagle1": eagle1_export, "deepseek_mtp": deepseek_mtp_export}

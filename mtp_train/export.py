@@ -1,0 +1,270 @@
+"""Write a trained head in the native format (and engine layouts), and read it back for training.
+
+Native format, one directory (the contract inference_ref/draft.py reads; docs/export.md has the spec):
+    head.safetensors   the head's own tensors under MTPHead's state_dict names
+                       (+ embed_tokens.weight, lm_head.weight when stored rather than shared)
+    config.json        format, version, architecture, variant, dtype, sizes, the target's layer
+                       config, what is shared with the target, the target's identity, training metadata
+
+    python -m mtp_train.export model=llama3_1_8b export.formats=[native,eagle1]
+
+Every directory is written under a temporary name and renamed when complete, so a killed export
+leaves either the previous head or none, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import hydra
+import torch
+from safetensors.torch import load_file, save_file
+
+from inference_ref.config import LlamaConfig, read_config
+from inference_ref.loading import frozen_target_tensors
+from mtp_train.config import RunConfig  # noqa: F401  (registers the schema Hydra composes)
+from mtp_train.engine_layouts import LAYOUTS, Symbolic, check_layout, llama_dims, resolve
+from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.targets import check_same_target, resolve_target, target_identity
+
+FORMAT, FORMAT_VERSION, ARCHITECTURE = "mtp-train-head", 1, "LlamaMTPHead"
+WEIGHTS, CONFIG = "head.safetensors", "config.json"
+ENGINE_WEIGHTS = "model.safetensors"  # engines read every *.safetensors of the draft directory
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# Native names of the shared tensors → the MTPHead buffers that hold the target's copies.
+SHARED = {"embed_tokens.weight": "embed_weight", "lm_head.weight": "lm_head_weight"}
+
+# The native tables: exactly MTPHead's state_dict, per variant.
+NATIVE_LAYER: Symbolic = {
+    "layer.self_attn.q_proj.weight": ("QD", "H"),
+    "layer.self_attn.k_proj.weight": ("KVD", "H"),
+    "layer.self_attn.v_proj.weight": ("KVD", "H"),
+    "layer.self_attn.o_proj.weight": ("H", "QD"),
+    "layer.post_attention_layernorm.weight": ("H",),
+    "layer.mlp.gate_proj.weight": ("I", "H"),
+    "layer.mlp.up_proj.weight": ("I", "H"),
+    "layer.mlp.down_proj.weight": ("H", "I"),
+}
+NATIVE: dict[str, Symbolic] = {
+    "rmsnorm-restored": {
+        "enorm.weight": ("H",),
+        "hnorm.weight": ("H",),
+        "fc.weight": ("H", "2H"),
+        "layer.input_layernorm.weight": ("H",),
+        **NATIVE_LAYER,
+        "norm.weight": ("H",),
+    },
+    "eagle1": {"fc.weight": ("H", "2H"), "fc.bias": ("H",), **NATIVE_LAYER},
+}
+NATIVE_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "lm_head.weight": ("V", "H")}
+
+
+def native_table(cfg: HeadConfig, store_shared: bool) -> dict[str, tuple[int, ...]]:
+    symbolic = {**NATIVE[cfg.variant], **(NATIVE_SHARED if store_shared else {})}
+    return resolve(symbolic, llama_dims(cfg.target))
+
+
+# ---------------------------------------------------------------------------------------------- write
+
+
+def head_tensors(
+    head: MTPHead,
+    dtype: torch.dtype,
+    store_shared: bool,
+    params: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The head's tensors under native names, cast to `dtype`, on CPU.
+
+    `params` replaces the module's own state dict where that is sharded (ZeRO-3 gathers a full copy).
+    """
+    own = head.state_dict()
+    if params is not None:
+        if set(params) != set(own):
+            raise ValueError(f"save_head: params names {sorted(params)} differ from the head's {sorted(own)}")
+        own = params
+    tensors = dict(own)
+    if store_shared:
+        # Cloned: a tied target's embedding and lm_head are one tensor, which safetensors refuses twice.
+        tensors.update({name: getattr(head, buffer).clone() for name, buffer in SHARED.items()})
+    return {n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()}
+
+
+def head_config(
+    head: MTPHead, identity: dict, training: dict, dtype: torch.dtype, store_shared: bool
+) -> dict:
+    t = head.cfg.target
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "architecture": ARCHITECTURE,
+        "variant": head.cfg.variant,
+        "dtype": str(dtype).removeprefix("torch."),
+        "hidden_size": t.hidden_size,
+        "vocab_size": t.vocab_size,
+        "layer_config": t.to_hf(),
+        "shared_with_target": {"embed_tokens": not store_shared, "lm_head": not store_shared},
+        "target": identity,
+        "training": training,
+    }
+
+
+def save_head(
+    head: MTPHead,
+    out_dir: str | Path,
+    target_identity: dict,
+    training: dict,
+    dtype: torch.dtype = torch.bfloat16,
+    store_shared: bool = False,
+    params: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write `head` in the native format to `out_dir` (replacing what is there, atomically)."""
+    tensors = head_tensors(head, dtype, store_shared, params)
+    check_layout(tensors, native_table(head.cfg, store_shared), f"native {head.cfg.variant} head")
+    config = head_config(head, target_identity, training, dtype, store_shared)
+    return write_atomically(Path(out_dir), lambda d: write_files(d, tensors, config))
+
+
+def write_files(
+    directory: Path, tensors: dict[str, torch.Tensor], config: dict, weights: str = WEIGHTS
+) -> None:
+    save_file(tensors, str(directory / weights), metadata={"format": "pt"})
+    (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
+    """Fill a fresh sibling directory with `write`, then rename it to `out_dir`.
+
+    A directory cannot be renamed over a non-empty one, so an existing `out_dir` is first moved
+    aside and deleted after the swap: readers see the old head or the new one, never a partial one.
+    """
+    _check_replaceable(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed export
+        shutil.rmtree(stale, ignore_errors=True)
+    tag = uuid.uuid4().hex[:8]
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        _sync(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = out_dir.parent / f".{out_dir.name}.tmp-old-{tag}"
+    if out_dir.exists():
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """Only an export directory is replaced: a mistyped out_dir must not delete someone's data."""
+    ours = {WEIGHTS, ENGINE_WEIGHTS, CONFIG}
+    if out_dir.exists() and not (out_dir.is_dir() and {p.name for p in out_dir.iterdir()} <= ours):
+        raise FileExistsError(f"{out_dir} exists and is not an exported head; refusing to replace it")
+
+
+def _sync(directory: Path) -> None:
+    """Flush the files to disk before the rename publishes them (a crash must not publish zeros)."""
+    for f in directory.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+# ----------------------------------------------------------------------------------------------- read
+
+
+def read_head_config(head_dir: str | Path) -> dict:
+    """config.json of a native head directory, checked to be this format."""
+    path = Path(head_dir) / CONFIG
+    if not path.exists():
+        raise FileNotFoundError(f"{head_dir}: no {CONFIG} (expected a native head directory)")
+    config = json.loads(path.read_text())
+    if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: format {config.get('format')!r} v{config.get('format_version')!r}, "
+            f"expected {FORMAT!r} v{FORMAT_VERSION}"
+        )
+    return config
+
+
+def check_head_matches_target(config: dict, head_dir: Path, target: LlamaConfig, identity: dict) -> None:
+    """Refuse a head made for another target: sizes first (the clearest message), then identity."""
+    for key in ("hidden_size", "vocab_size"):
+        if config[key] != getattr(target, key):
+            raise ValueError(
+                f"head {head_dir} has {key} {config[key]}, but the target {identity['path']} has "
+                f"{getattr(target, key)}: it was trained for another target"
+            )
+    trained_for = config["target"].get("path")
+    check_same_target(identity, config["target"], f"head {head_dir} (trained for {trained_for})")
+
+
+def load_head(head_dir: str | Path, target_dir: str | Path) -> MTPHead:
+    """Rebuild a trainable MTPHead from a native head directory on the target it was trained for."""
+    return _load_head(Path(head_dir), Path(target_dir), target_identity(target_dir))
+
+
+def _load_head(head_dir: Path, target_dir: Path, identity: dict) -> MTPHead:
+    config = read_head_config(head_dir)
+    target = read_config(target_dir)
+    check_head_matches_target(config, head_dir, target, identity)
+    head = MTPHead(HeadConfig(config["variant"], target), frozen_target_tensors(target_dir))
+    tensors = load_file(str(head_dir / WEIGHTS))
+    for name in SHARED:  # stored copies of the target's own tensors: the target's are used
+        tensors.pop(name, None)
+    check_layout(tensors, native_table(head.cfg, False), f"{head_dir / WEIGHTS}")
+    head.load_state_dict(tensors, strict=True)
+    return head
+
+
+# --------------------------------------------------------------------------------------------- export
+
+
+def export(cfg) -> dict[str, Path]:
+    """Write each layout of `cfg.export.formats` under `cfg.export.out_dir/<layout>/`.
+
+    Every layout is built and checked before anything is written, so a refused layout leaves no
+    partial export behind.
+    """
+    ec = cfg.export
+    target_dir = resolve_target(cfg.model.target)
+    identity = target_identity(target_dir)
+    head = _load_head(Path(ec.checkpoint), target_dir, identity)  # refuses another target
+    training = read_head_config(ec.checkpoint)["training"]
+    dtype = DTYPES[ec.dtype]
+    writers = {
+        name: _layout_writer(name, head, identity, training, dtype, ec.store_shared) for name in ec.formats
+    }
+    return {name: write_atomically(Path(ec.out_dir) / name, w) for name, w in writers.items()}
+
+
+def _layout_writer(
+    name: str, head: MTPHead, identity: dict, training: dict, dtype: torch.dtype, store_shared: bool
+) -> Callable[[Path], None]:
+    tensors = head_tensors(head, dtype, store_shared)
+    if name == "native":
+        config = head_config(head, identity, training, dtype, store_shared)
+        return lambda d: write_files(d, tensors, config)
+    if name not in LAYOUTS:
+        raise ValueError(f"export.formats: unknown layout {name!r} (known: native, {', '.join(LAYOUTS)})")
+    layout = LAYOUTS[name](tensors, head.cfg.target.to_hf(), head.cfg.variant)
+    check_layout(layout.tensors, layout.table, f"layout {name}")
+    return lambda d: write_files(d, layout.tensors, layout.config, ENGINE_WEIGHTS)
+
+
+@hydra.main(config_path="../recipes", config_name="config", version_base=None)
+def main(cfg) -> None:
+    for name, path in export(cfg).items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()
