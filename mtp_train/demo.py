@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+import mtp_train.config  # noqa: F401  (registers the schema the recipes compose)
+
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
 

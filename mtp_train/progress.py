@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -32,6 +34,8 @@ class Progress:
         self.wandb = start_wandb(cfg) if acc.is_main_process else None
         self.last: dict[str, float] = {}
         self.tokens = 0  # stored tokens this process trained on since (re)start
+        self.metrics_file = Path(cfg.train.out_dir) / "metrics.jsonl"  # appended to on resume
+        self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
 
     def step(self, step: int, stats, grad_norm, lr: float) -> None:
         """stats: one (loss, metrics, tokens) per micro-batch of this process."""
@@ -58,6 +62,8 @@ class Progress:
             f"lr {lr:.2e}  {values['tokens_per_s']:,.0f} tok/s  ETA {eta / 60:.1f} min",
             flush=True,
         )
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
         if self.wandb is not None:
             self.wandb.log({f"train/{k}": v for k, v in values.items()}, step=step)
 

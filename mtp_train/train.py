@@ -46,6 +46,10 @@ def build_head(variant: str, target_dir: Path, frozen_dtype: torch.dtype) -> MTP
 
 def check_store(store: Store, head: MTPHead, identity: dict) -> None:
     store.check_target(identity)
+    if len(store) == 0:
+        raise ValueError(
+            f"{store.path}: the store holds no sample (no supervised assistant tokens in the data?)"
+        )
     hidden = store.manifest["hidden_size"]
     if hidden != head.cfg.target.hidden_size:
         raise ValueError(
@@ -135,7 +139,9 @@ def train(cfg: RunConfig) -> Path:
             export_head(acc, objective, out_dir / f"head-step{done:07d}", identity, cfg, done)
     head_dir = export_head(acc, objective, out_dir / "head", identity, cfg, tc.steps)
     if acc.is_main_process:
-        (out_dir / "train_summary.json").write_text(json.dumps({"steps": tc.steps, **progress.summary()}, indent=2))
+        (out_dir / "train_summary.json").write_text(
+            json.dumps({"steps": tc.steps, **progress.summary()}, indent=2)
+        )
     progress.close()
     return head_dir
 

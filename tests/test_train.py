@@ -1,0 +1,145 @@
+"""The trainer: learning on a real store, exact resume after a kill, several processes, bad config."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+import mtp_train.config  # noqa: F401  (registers the schema)
+from mtp_train.precompute import run_precompute
+from mtp_train.targets import write_random_target
+from mtp_train.train import train
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+GSM8K = Path(__file__).parent / "data" / "gsm8k_64.jsonl"
+
+
+def config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        return compose("config", overrides=overrides)
+
+
+def metrics(run: Path) -> dict[int, dict]:
+    """step → the last logged figures for it (a resumed run logs its steps again)."""
+    rows = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows}
+
+
+def tiny_overrides(target: Path, run: Path, store: Path, *extra: str) -> list[str]:
+    return [
+        "model=tiny_random",
+        f"model.target={target}",
+        f"run_dir={run}",
+        f"train.store_dir={store}",
+        "train.tokens_per_micro_batch=512",
+        "logging.log_every=1",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tiny_target, tmp_path_factory):
+    run = tmp_path_factory.mktemp("tiny_run")
+    cfg = config(
+        ["model=tiny_random", f"model.target={tiny_target}", f"run_dir={run}", f"data.train_files=[{GSM8K}]"]
+    )
+    return run_precompute(cfg)
+
+
+def test_training_on_smollm2_lowers_loss_and_raises_top1(smollm2, tmp_path):
+    overrides = [
+        "model=smollm2_135m",
+        f"run_dir={tmp_path}",
+        f"data.train_files=[{GSM8K}]",
+        "data.max_samples=40",
+        "data.max_seq_len=192",
+        "train.steps=24",
+        "train.tokens_per_micro_batch=768",
+        "train.warmup_steps=4",
+        "train.lr=3e-3",
+        "train.save_every=0",
+        "logging.log_every=1",
+    ]
+    cfg = config(overrides)
+    run_precompute(cfg)
+    train(cfg)
+    m = metrics(tmp_path)
+    first = sum(m[s]["ce"] for s in (1, 2, 3)) / 3
+    last = sum(m[s]["ce"] for s in (22, 23, 24)) / 3
+    assert last < first - 0.5, (first, last)
+    assert sum(m[s]["top1"] for s in (22, 23, 24)) / 3 > sum(m[s]["top1"] for s in (1, 2, 3)) / 3 + 0.1
+
+
+def test_kill_and_resume_reproduces_the_uninterrupted_curve(tiny_target, tiny_store, tmp_path):
+    steps = ["train.steps=10", "train.save_every=4"]
+    whole = tmp_path / "whole"
+    train(config(tiny_overrides(tiny_target, whole, tiny_store, *steps)))
+
+    killed = tmp_path / "killed"
+    args = tiny_overrides(tiny_target, killed, tiny_store, *steps)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtp_train.train", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    ckpt = killed / "train" / "ckpt-0000004"
+    deadline = time.time() + 240
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ckpt.exists() and not (killed / "train" / "ckpt-0000010").exists()
+
+    train(config(args))  # resumes from ckpt-0000004
+    a, b = metrics(whole), metrics(killed)
+    assert sorted(b) == list(range(1, 11))
+    for step in range(1, 11):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-6, abs=1e-7), step
+        assert b[step]["lr"] == pytest.approx(a[step]["lr"], rel=1e-9), step
+
+
+def test_two_processes_match_one_at_the_same_global_batch(tiny_target, tiny_store, tmp_path):
+    common = ["train.steps=4", "train.save_every=0"]
+    one = tmp_path / "one"
+    train(config(tiny_overrides(tiny_target, one, tiny_store, *common, "train.grad_accum=2")))
+    two = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "mtp_train.train"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        cmd + tiny_overrides(tiny_target, two, tiny_store, *common),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = metrics(one), metrics(two)
+    for step in range(1, 5):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
+        assert b[step]["top1"] == pytest.approx(a[step]["top1"], abs=1e-6), step
+
+
+def test_unknown_config_keys_are_errors(tiny_target):
+    with pytest.raises(ConfigCompositionException, match="lerning_rate"):
+        config(["model=tiny_random", f"model.target={tiny_target}", "train.lerning_rate=1"])
+    done = subprocess.run(
+        [sys.executable, "-m", "mtp_train.train", "model=tiny_random", "train.bogus_key=3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "bogus_key" in done.stderr
+
+
+def test_a_store_of_another_target_is_refused(smollm2, tiny_store, tmp_path):
+    other = write_random_target(tmp_path / "other", smollm2, seed=0, hidden_size=32, head_dim=8)
+    cfg = config(tiny_overrides(other, tmp_path / "run", tiny_store, "train.steps=1"))
+    with pytest.raises(ValueError, match="another target.*config_hash"):
+        train(cfg)
