@@ -23,18 +23,39 @@ def _varlen_kernel():
 
 
 _VARLEN = _varlen_kernel()
+_varlen_failed: str | None = None  # why the varlen kernel was given up on, once, if it was
 
 
 def packed_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
 ) -> torch.Tensor:
     """q [T, Hq, d], k/v [T, Hkv, d] → [T, Hq, d], causal within each packed sequence."""
-    if q.is_cuda and _VARLEN is not None:
-        group = q.shape[1] // k.shape[1]
-        # Repeating KV costs a copy but keeps to the kernel's most portable signature.
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        cu = cu_seqlens.to(torch.int32)
-        return _VARLEN(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
+    global _varlen_failed
+    if q.is_cuda and _VARLEN is not None and _varlen_failed is None:
+        try:
+            return _varlen(q, k, v, cu_seqlens, max_len)
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            # An older build without this dtype, head size or signature: fall back for good.
+            _varlen_failed = f"{type(e).__name__}: {e}"
+    return _sdpa_per_sequence(q, k, v, cu_seqlens)
+
+
+def packed_kernel() -> str:
+    """Which kernel `packed_causal_attention` uses on CUDA (reported by benchmarks)."""
+    if _VARLEN is None or _varlen_failed is not None:
+        return f"SDPA per sequence ({_varlen_failed or 'no varlen_attn in this torch'})"
+    return "varlen_attn (FlashAttention) on CUDA"
+
+
+def _varlen(q, k, v, cu_seqlens, max_len):
+    group = q.shape[1] // k.shape[1]
+    # Repeating KV costs a copy but keeps to the kernel's most portable signature.
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    cu = cu_seqlens.to(torch.int32)
+    return _VARLEN(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
+
+
+def _sdpa_per_sequence(q, k, v, cu_seqlens):
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):

@@ -142,10 +142,13 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
-    def slots(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [B, new] the next `new` tokens take, and the attention mask for them."""
+    def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [B, new] the next `new` tokens take, and the attention mask for them.
+
+        `static` attends over the whole cache (masked) instead of the longest row: no host sync
+        and fixed shapes, as a CUDA graph needs."""
         slots = self.lengths[:, None] + torch.arange(new, device=self.lengths.device)
-        key_len = min(int(slots.max()) + 1, self.max_len)
+        key_len = self.max_len if static else min(int(slots.max()) + 1, self.max_len)
         return slots, cache_mask(self.lengths, new, key_len)
 
 
@@ -187,10 +190,11 @@ class LlamaModel(nn.Module):
         return KVCache.empty(self.cfg, len(self.layers), batch, max_len, w.device, w.dtype)
 
     @torch.inference_mode()
-    def forward_cached(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward_cached(self, input_ids: torch.Tensor, cache: KVCache, static: bool = False) -> torch.Tensor:
         """input_ids [B, S] placed after each row's committed cache entries → hidden [B, S, H]
-        (before the final norm). Does not commit: the caller advances `cache.lengths`."""
-        slots, mask = cache.slots(input_ids.shape[1])
+        (before the final norm). Does not commit: the caller advances `cache.lengths`
+        (in place, so that a captured graph sees it)."""
+        slots, mask = cache.slots(input_ids.shape[1], static)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(slots, x.dtype)
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,423 @@
+"""The precomputed store: tokens, loss masks and the target's last-layer hidden states (pre final norm).
+
+Layout of a store directory:
+
+    manifest.json                        written last, by rank 0: the store is complete iff it exists
+    run.json                             the run's fixed settings (target, data hash, dtype, world size)
+    shard-{rank:05d}-{index:05d}.safetensors
+    journal-{rank:05d}.jsonl             one line per committed shard of that rank (crash recovery)
+    rank-{rank:05d}.json                 that rank's shard list, written when the rank has finished
+
+Each shard packs whole samples end to end (S samples, N tokens):
+
+    offsets      int64 [S+1]   sample s is rows offsets[s] : offsets[s+1]
+    sample_ids   int64 [S]     position of each sample in the data loader's order
+    input_ids    int32 [N]
+    loss_mask    uint8 [N]     1 on supervised (assistant) tokens
+    hidden       bf16 [N, H]   or float8_e4m3fn [N, H] with
+    hidden_scale fp32 [N]      per-token scale (fp8 only): hidden ≈ fp8 × scale
+
+Storage per token: bf16 `2·H + 5` bytes (H=4096: 8.0 KiB), fp8 `H + 9` bytes (H=4096: 4.0 KiB),
+plus 16 bytes per sample. fp8 halves the store; its cost, the relative RMS error of the dequantized
+states against bf16, is measured while writing and recorded in the manifest (`fp8_rel_rms_error`):
+2.2–2.7% on random-weight targets (e4m3 keeps 3 mantissa bits). Real targets have outlier channels
+that a per-token scale spends range on; read the manifest's figure for the target at hand.
+
+Crash safety: a shard is written to a `.tmp` file, fsynced and renamed, and only then journaled.
+A shard file that is not in the journal was in flight at a crash (shards commit in parallel, so
+there may be two) and is discarded on restart, so a rerun redoes exactly the samples not in
+journaled shards: none lost, none twice.
+Readers memory-map the shards (no file descriptor is held per shard).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mtp_train.targets import check_same_target
+
+FORMAT = "mtp-train-store"
+VERSION = 1
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+HIDDEN_DTYPES = ("bf16", "fp8")
+
+_SAFETENSORS_DTYPE = {
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
+_TORCH_DTYPE = {name: dtype for dtype, name in _SAFETENSORS_DTYPE.items()}
+
+
+def bytes_per_token(hidden_size: int, hidden_dtype: str) -> int:
+    """Stored bytes per token: ids (4) + mask (1) + hidden (2H bf16, or H fp8 + 4 for the scale)."""
+    if hidden_dtype not in HIDDEN_DTYPES:
+        raise ValueError(f"hidden_dtype must be one of {HIDDEN_DTYPES}, got {hidden_dtype!r}")
+    return 2 * hidden_size + 5 if hidden_dtype == "bf16" else hidden_size + 9
+
+
+def shard_name(rank: int, index: int) -> str:
+    return f"shard-{rank:05d}-{index:05d}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8
+
+
+def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H] → (e4m3 [T, H], fp32 scale [T]): each token scaled so its absmax maps to 448."""
+    h = hidden.float()
+    scale = h.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    # Clamp: rounding can put h / scale a hair past 448, which e4m3fn would turn into NaN.
+    q = (h / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+@dataclass
+class Record:
+    """One sample as it goes into a shard (CPU tensors)."""
+
+    sample_id: int
+    input_ids: torch.Tensor  # [n] integer
+    loss_mask: torch.Tensor  # [n] bool or uint8
+    hidden: torch.Tensor  # [n, H] bf16, or e4m3 with hidden_scale
+    hidden_scale: torch.Tensor | None = None  # [n] fp32, fp8 only
+    sq_err: float = 0.0  # Σ (dequantized − bf16)² over the sample (fp8 only)
+    sq_ref: float = 0.0  # Σ bf16² over the sample (fp8 only)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.input_ids)
+
+
+class Journal:
+    """Append-only jsonl of one rank's committed shards. A line is appended (and fsynced) only
+    after its shard file is in place, so every journaled shard is complete on disk."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        data = self.path.read_bytes()
+        complete = data[: data.rfind(b"\n") + 1]
+        if complete != data:  # a line torn by a crash mid-append: its shard is not committed
+            os.truncate(self.path, len(complete))
+        return [json.loads(line) for line in complete.splitlines()]
+
+    def append(self, entry: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class ShardWriter:
+    """Appends one rank's samples to its shards, closing a shard at the first sample boundary
+    past `shard_tokens`. Reopening after a crash picks up from the journal.
+
+    Full shards are written by `commit_threads` threads while the next one fills (writing,
+    hashing and fsyncing 1 GiB takes seconds, as long as the forward passes that produced it on a
+    small target). Host memory held: up to `commit_threads + 1` shards."""
+
+    def __init__(
+        self,
+        store_dir: str | Path,
+        rank: int,
+        shard_tokens: int,
+        hidden_dtype: str = "bf16",
+        commit_threads: int = 2,
+    ):
+        bytes_per_token(1, hidden_dtype)  # validates the name
+        self.dir, self.rank = Path(store_dir), rank
+        self.shard_tokens, self.hidden_dtype = shard_tokens, hidden_dtype
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(self.dir / f"journal-{rank:05d}.jsonl")
+        self.shards = self.journal.read()
+        self._discard_uncommitted()
+        # Shards commit out of order, so after a crash the journal may have gaps: continue past the last.
+        self.next_index = max((e["index"] for e in self.shards), default=-1) + 1
+        self.pending: list[Record] = []
+        self.pending_tokens = 0
+        self.commit_threads = commit_threads
+        self._pool = ThreadPoolExecutor(commit_threads, thread_name_prefix=f"shard-commit-{rank}")
+        self._in_flight: list[Future] = []
+        self._lock = threading.Lock()  # journal and shard list, shared by the commit threads
+
+    def _discard_uncommitted(self) -> None:
+        """Drop this rank's temp files and shard files the journal does not list (in flight at a crash)."""
+        committed = {entry["file"] for entry in self.shards}
+        for path in self.dir.glob(f"shard-{self.rank:05d}-*"):
+            if path.name not in committed:
+                path.unlink()
+        for name in committed:
+            if not (self.dir / name).exists():
+                raise FileNotFoundError(
+                    f"{self.dir / name}: journaled shard is missing; the store is damaged"
+                )
+
+    def done_ids(self) -> set[int]:
+        """Sample ids already in this rank's committed shards."""
+        return {int(i) for e in self.shards for i in read_shard(self.dir / e["file"])["sample_ids"]}
+
+    def add(self, record: Record) -> None:
+        self.pending.append(record)
+        self.pending_tokens += record.tokens
+        if self.pending_tokens >= self.shard_tokens:
+            self._commit()
+
+    def wait(self) -> None:
+        """Block until every full shard handed to the commit threads is written and journaled."""
+        while self._in_flight:
+            self._in_flight.pop(0).result()
+
+    def finish(self) -> dict:
+        """Commit the last partial shard, wait for all commits, and write this rank's manifest."""
+        if self.pending:
+            self._commit()
+        self.wait()
+        self._pool.shutdown()
+        self.shards.sort(key=lambda e: e["index"])
+        summary = {"rank": self.rank, "shards": self.shards}
+        write_json_atomic(self.dir / f"rank-{self.rank:05d}.json", summary)
+        return summary
+
+    def _commit(self) -> None:
+        # Waiting for the oldest commit bounds memory, and re-raises a failed commit here.
+        while len(self._in_flight) >= self.commit_threads:
+            self._in_flight.pop(0).result()
+        records, self.pending, self.pending_tokens = self.pending, [], 0
+        self._in_flight.append(self._pool.submit(self._write_shard, self.next_index, records))
+        self.next_index += 1
+
+    def _write_shard(self, index: int, records: list[Record]) -> None:
+        """File first (tmp, fsync, rename), journal line second: a journaled shard is complete."""
+        name = shard_name(self.rank, index)
+        tmp = self.dir / (name + ".tmp")
+        metadata = {"format": FORMAT, "hidden_dtype": self.hidden_dtype}
+        sha, size = write_safetensors(tmp, self._tensors(records), metadata)
+        os.replace(tmp, self.dir / name)
+        fsync_dir(self.dir)
+        entry = {
+            "file": name,
+            "rank": self.rank,
+            "index": index,
+            "samples": len(records),
+            "tokens": sum(r.tokens for r in records),
+            "loss_tokens": sum(int(r.loss_mask.sum()) for r in records),
+            "bytes": size,
+            "sha256": sha,
+            "sq_err": sum(r.sq_err for r in records),
+            "sq_ref": sum(r.sq_ref for r in records),
+        }
+        with self._lock:
+            self.journal.append(entry)
+            self.shards.append(entry)
+
+    def _tensors(self, records: list[Record]) -> dict[str, list[torch.Tensor]]:
+        """The samples as lists of chunks per tensor, in decreasing element size
+        (so every tensor's data stays aligned for zero-copy memory-mapped views)."""
+        lengths = torch.tensor([0] + [r.tokens for r in records], dtype=torch.int64)
+        fp8 = self.hidden_dtype == "fp8"
+        tensors = {
+            "offsets": [lengths.cumsum(0)],
+            "sample_ids": [torch.tensor([r.sample_id for r in records], dtype=torch.int64)],
+            "hidden_scale": [r.hidden_scale.float() for r in records] if fp8 else [],
+            "input_ids": [r.input_ids.to(torch.int32) for r in records],
+            "hidden": [r.hidden for r in records],
+            "loss_mask": [r.loss_mask.to(torch.uint8) for r in records],
+        }
+        return {name: chunks for name, chunks in tensors.items() if chunks}
+
+
+def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]):
+    """Stream each tensor's chunks (concatenated along dim 0) into a safetensors file, fsynced,
+    without building the concatenated tensors in memory. Returns (sha256, size in bytes)."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, chunks in tensors.items():
+        nbytes = sum(c.numel() * c.element_size() for c in chunks)
+        shape = [sum(c.shape[0] for c in chunks), *chunks[0].shape[1:]]
+        dtype = _SAFETENSORS_DTYPE[chunks[0].dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # data starts 8-byte aligned
+    blocks = [memoryview(struct.pack("<Q", len(head))), memoryview(head)]
+    blocks += [_raw_bytes(c) for chunks in tensors.values() for c in chunks]
+    # Hash in a second thread while this one writes: both release the GIL, and each alone is ~1 GB/s.
+    with ThreadPoolExecutor(1) as hasher:
+        sha = hasher.submit(_sha256, blocks)
+        with open(path, "wb") as f:
+            for block in blocks:
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+    return sha.result(), sum(b.nbytes for b in blocks)
+
+
+def _sha256(blocks: list[memoryview]) -> str:
+    h = hashlib.sha256()
+    for block in blocks:
+        h.update(block)
+    return h.hexdigest()
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename durable (survives power loss, not only a killed process)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def merge_manifests(store_dir: str | Path, header: dict) -> dict:
+    """Rank 0, once every rank has finished: all ranks' shards into `manifest.json`.
+
+    `header` holds the run's fixed fields (see `precompute.run_header`); its `world_size` says
+    which rank manifests to expect and `data.num_samples` how many samples they must hold."""
+    store_dir = Path(store_dir)
+    shards = []
+    for rank in range(header["world_size"]):
+        path = store_dir / f"rank-{rank:05d}.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: rank {rank} has not finished; rerun precompute to resume")
+        shards += json.loads(path.read_text())["shards"]
+    sq_err, sq_ref = sum(s["sq_err"] for s in shards), sum(s["sq_ref"] for s in shards)
+    manifest = {
+        **header,
+        "num_samples": sum(s["samples"] for s in shards),
+        "num_tokens": sum(s["tokens"] for s in shards),
+        "num_loss_tokens": sum(s["loss_tokens"] for s in shards),
+        "fp8_rel_rms_error": (sq_err / sq_ref) ** 0.5 if header["hidden_dtype"] == "fp8" and sq_ref else None,
+        "shards": shards,
+    }
+    if manifest["num_samples"] != header["data"]["num_samples"]:
+        raise RuntimeError(
+            f"{store_dir}: shards hold {manifest['num_samples']} samples, "
+            f"the data has {header['data']['num_samples']}"
+        )
+    write_json_atomic(store_dir / "manifest.json", manifest)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_shard(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file as zero-copy views of a private memory map."""
+    size = path.stat().st_size
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+    (head_len,) = struct.unpack("<Q", raw[:8].numpy().tobytes())
+    header = json.loads(raw[8 : 8 + head_len].numpy().tobytes())
+    header.pop("__metadata__", None)
+    base = 8 + head_len
+    out = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        out[name] = raw[base + begin : base + end].view(_TORCH_DTYPE[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+class Store:
+    """Read side of a finished store: `len`, `lengths`, `sample(i)`, `verify()`, `check_target()`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        manifest_path = self.path / "manifest.json"
+        if not manifest_path.exists():
+            raise FileNotFoundError(f"{manifest_path}: no manifest (precompute has not finished; rerun it)")
+        self.manifest = json.loads(manifest_path.read_text())
+        self._shard_starts = np.cumsum([0] + [s["samples"] for s in self.manifest["shards"]])
+
+    def __len__(self) -> int:
+        return int(self.manifest["num_samples"])
+
+    @cached_property
+    def _shards(self) -> list[dict[str, torch.Tensor]]:
+        # Opened on first use, so that `verify()` can report a shard too damaged to parse.
+        return [read_shard(self.path / s["file"]) for s in self.manifest["shards"]]
+
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        """Tokens of each sample, in store order."""
+        return np.concatenate([np.diff(s["offsets"].numpy()) for s in self._shards])
+
+    @cached_property
+    def sample_ids(self) -> np.ndarray:
+        """Each sample's position in the data loader's order (store order is by rank and length)."""
+        return np.concatenate([s["sample_ids"].numpy() for s in self._shards])
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids LongTensor [n], loss_mask BoolTensor [n], hidden bf16 [n, H]) of sample i."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a store of {len(self)}")
+        shard_index = int(np.searchsorted(self._shard_starts, i, side="right")) - 1
+        shard, k = self._shards[shard_index], i - int(self._shard_starts[shard_index])
+        a, b = int(shard["offsets"][k]), int(shard["offsets"][k + 1])
+        hidden = shard["hidden"][a:b]
+        if "hidden_scale" in shard:
+            hidden = dequantize_fp8(hidden, shard["hidden_scale"][a:b])
+        return shard["input_ids"][a:b].long(), shard["loss_mask"][a:b].bool(), hidden
+
+    def verify(self) -> None:
+        """Recompute every shard's sha256; raise naming the first shard that does not match."""
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            found = list(pool.map(self._shard_sha, self.manifest["shards"]))
+        for shard, sha in zip(self.manifest["shards"], found):
+            if sha != shard["sha256"]:
+                raise ValueError(
+                    f"store {self.path}: shard {shard['file']} is corrupted "
+                    f"(sha256 {sha[:16]}…, manifest says {shard['sha256'][:16]}…); precompute it again"
+                )
+
+    def _shard_sha(self, shard: dict) -> str:
+        h = hashlib.sha256()
+        with open(self.path / shard["file"], "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+        return h.hexdigest()
+
+    def check_target(self, identity: dict) -> None:
+        """Raise ValueError if this store was made with another target, tokenizer or chat template."""
+        check_same_target(identity, self.manifest["target"], f"store {self.path}")
