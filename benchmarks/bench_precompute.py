@@ -14,6 +14,7 @@ import argparse
 import torch
 
 from benchmarks.common import linear_flops_per_token, lognormal_lengths, shape, timed, write_result
+from inference_ref.attention import packed_kernel
 from inference_ref.llama import cu_seqlens_of
 from inference_ref.loading import hf_state_dict, random_llama
 
@@ -75,6 +76,15 @@ def run_ours(model, seqs, batches, hidden_size: int) -> float:
     return timed(go)
 
 
+@torch.inference_mode()
+def check_agreement(model, hf, ids: torch.Tensor) -> float:
+    """Max relative difference of final-normed states, ours vs HF, on one sequence (same weights)."""
+    ids = ids.to(DEVICE)
+    ours, _ = model.forward_packed(ids, cu_seqlens_of([len(ids)], device=DEVICE))
+    ref = hf(input_ids=ids[None]).last_hidden_state[0]
+    return float((model.norm(ours) - ref).abs().max() / ref.abs().max())
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="llama3_8b")
@@ -104,6 +114,7 @@ def main() -> None:
     # Warm up both (kernels, allocator) on a few batches.
     run_hf(hf, seqs, hf_batches[-3:])
     run_ours(model, seqs, our_batches[:3], cfg.hidden_size)
+    agreement = check_agreement(model, hf, seqs[0])
     t_hf = run_hf(hf, seqs, hf_batches)
     t_ours = run_ours(model, seqs, our_batches, cfg.hidden_size)
     padded = sum(len(b) * max(lengths[i] for i in b) for b in hf_batches)
@@ -122,6 +133,8 @@ def main() -> None:
             "speedup": ours_tps / hf_tps,
             "linear_roofline_tokens_per_s": PEAK_BF16 / flops,
             "inference_ref_fraction_of_roofline": ours_tps * flops / PEAK_BF16,
+            "attention_kernel": packed_kernel(),
+            "max_rel_diff_vs_hf_normed_hidden": agreement,
         },
     )
 

@@ -31,7 +31,13 @@ def synthetic_samples(cfg, tokens: int, length: int, seed: int = 0):
     out = []
     for _ in range(tokens // length):
         ids = torch.randint(0, cfg.vocab_size, (length,), generator=g)
-        out.append((ids, torch.ones(length, dtype=torch.long), torch.randn(length, cfg.hidden_size, generator=g).bfloat16()))
+        out.append(
+            (
+                ids,
+                torch.ones(length, dtype=torch.long),
+                torch.randn(length, cfg.hidden_size, generator=g).bfloat16(),
+            )
+        )
     return out
 
 
@@ -45,9 +51,13 @@ def step_flops(cfg, tokens: int, mean_len: int) -> float:
 
 def frozen(cfg, device):
     return {
-        "model.embed_tokens.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02,
+        "model.embed_tokens.weight": torch.randn(
+            cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16
+        )
+        * 0.02,
         "model.norm.weight": torch.ones(cfg.hidden_size, device=device, dtype=torch.bfloat16),
-        "lm_head.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02,
+        "lm_head.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16)
+        * 0.02,
     }
 
 

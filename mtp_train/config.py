@@ -65,8 +65,9 @@ class PrecomputeConfig:
     """Output directory of the hidden-state store."""
     tokens_per_batch: int = 16384
     """Tokens per packed forward batch."""
-    shard_tokens: int = 1_048_576
-    """Tokens per shard file (a shard is closed at the first sample boundary past this)."""
+    shard_tokens: int = 262_144
+    """Tokens per shard file (closed at the first sample boundary past this); a rank holds up to
+    three shards in host memory (≈ 6 GiB at hidden size 4096 in bf16)."""
     hidden_dtype: str = "bf16"
     """Stored hidden-state dtype: `bf16`, or `fp8` (e4m3 with a per-token scale)."""
 

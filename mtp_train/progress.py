@@ -51,6 +51,8 @@ class Progress:
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             tokens_per_s=tokens / max(elapsed, 1e-9),
         )
+        if torch.cuda.is_available():
+            values["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self.window_tokens, self.window_start = 0, time.time()
         self.last = values
         if not self.acc.is_main_process:

@@ -41,6 +41,20 @@ def _file_hash(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else None
 
 
+def weights_hash(model_dir: Path) -> str:
+    """A cheap fingerprint of the weights: each safetensors file's size, header and first and
+    last MiB. Two targets of one shape but different weights differ here."""
+    h = hashlib.sha256()
+    for file in sorted(model_dir.glob("*.safetensors")):
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(size.to_bytes(8, "little") + f.read(header_len) + f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 def target_identity(model_dir: str | Path) -> dict:
     """What must match between a target and the stores and heads made from it."""
     model_dir = Path(model_dir)
@@ -51,6 +65,7 @@ def target_identity(model_dir: str | Path) -> dict:
     return {
         "path": str(model_dir.resolve()),
         "config_hash": read_config(model_dir).fingerprint(),
+        "weights_hash": weights_hash(model_dir),
         "tokenizer_hash": _file_hash(model_dir / "tokenizer.json"),
         "chat_template_hash": hashlib.sha256(template.encode()).hexdigest()[:16],
     }
@@ -58,7 +73,7 @@ def target_identity(model_dir: str | Path) -> dict:
 
 def check_same_target(expected: dict, found: dict, what: str) -> None:
     """Raise naming the first field on which `found` (e.g. a store's manifest) differs from the target."""
-    for key in ("config_hash", "tokenizer_hash", "chat_template_hash"):
+    for key in ("config_hash", "weights_hash", "tokenizer_hash", "chat_template_hash"):
         if expected.get(key) != found.get(key):
             raise ValueError(
                 f"{what} was made with another target: {key} is {found.get(key)!r}, "

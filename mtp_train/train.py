@@ -87,7 +87,8 @@ def load_micro_batch(store: Store, indices: list[int], steps: int) -> DraftBatch
 def train(cfg: RunConfig) -> Path:
     """Run (or resume) training; returns the directory of the final exported head."""
     tc = cfg.train
-    acc = Accelerator(gradient_accumulation_steps=tc.grad_accum)
+    # cpu=True without CUDA: otherwise accelerate ignores torchrun's ranks on a CPU-only host.
+    acc = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available())
     torch.manual_seed(tc.seed)
     out_dir = Path(tc.out_dir)
     target_dir = resolve_target(cfg.model.target)

@@ -89,7 +89,9 @@ def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, see
     generator = torch.Generator(device=ev.target.embed_tokens.weight.device).manual_seed(seed)
 
     def answer(ids):
-        out = speculative_generate(ev.target, ev.draft, ids, vc.max_new_tokens, ev.eos, k, temperature, generator)
+        out = speculative_generate(
+            ev.target, ev.draft, ids, vc.max_new_tokens, ev.eos, k, temperature, generator
+        )
         merge(stats, out.stats)
         tokens.extend(out.tokens)
         return out.tokens
@@ -122,7 +124,11 @@ def target_only_pass(ev: Evaluator, prompts, vc):
     dialogs = answer_turns(ev, prompts, vc.batch_size, answer)
     seconds = time.perf_counter() - started
     new_tokens = sum(map(len, tokens))
-    return {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds}, dialogs, tokens
+    return (
+        {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds},
+        dialogs,
+        tokens,
+    )
 
 
 # --- teacher-forced loss, twice -----------------------------------------------------------------
@@ -166,7 +172,9 @@ def inference_path(ev: Evaluator, samples: list[Sample]):
     return {"ce": ce / max(count, 1), "top1": top1 / max(count, 1), "positions": int(count)}
 
 
-def teacher_forced(ev: Evaluator, head: MTPHead, samples: list[Sample], store_dtype, chunk_logits: int) -> dict:
+def teacher_forced(
+    ev: Evaluator, head: MTPHead, samples: list[Sample], store_dtype, chunk_logits: int
+) -> dict:
     trainer = trainer_path(head, ev.target, samples, store_dtype, chunk_logits)
     inference = inference_path(ev, samples)
     gap = {k: abs(trainer[k] - inference[k]) for k in ("ce", "top1")}
@@ -175,7 +183,9 @@ def teacher_forced(ev: Evaluator, head: MTPHead, samples: list[Sample], store_dt
 
 def samples_of(ev: Evaluator, dialogs: list[list[dict]], limit: int, max_len: int) -> list[Sample]:
     convs = [Conversation(d, f"eval:{i}", str(i)) for i, d in enumerate(dialogs[:limit]) if d]
-    return [Sample(s.input_ids[:max_len], s.loss_mask[:max_len], s.source) for s in encode(ev.tokenizer, convs)]
+    return [
+        Sample(s.input_ids[:max_len], s.loss_mask[:max_len], s.source) for s in encode(ev.tokenizer, convs)
+    ]
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -234,8 +244,15 @@ def plot_acceptance(report: dict, path: Path) -> None:
     for ax, (mode, runs) in zip(axes[0], modes.items()):
         for name, run in runs.items():
             rates = run["accept_rate"]
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name}  τ={run['mean_accepted_len']:.2f}")
-        ax.set(title=f"acceptance by position ({mode})", xlabel="draft position j", ylabel="accept rate", ylim=(0, 1))
+            ax.plot(
+                range(1, len(rates) + 1), rates, marker="o", label=f"{name}  τ={run['mean_accepted_len']:.2f}"
+            )
+        ax.set(
+            title=f"acceptance by position ({mode})",
+            xlabel="draft position j",
+            ylabel="accept rate",
+            ylim=(0, 1),
+        )
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
