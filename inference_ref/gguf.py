@@ -7,6 +7,8 @@ with its chat template) once, so that every later stage reads one kind of checkp
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -95,11 +97,17 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     from transformers import AutoTokenizer
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # Written under a private name and renamed: processes converting at once (several ranks)
+    # never see, or clobber, a half-written directory.
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
     cfg, tensors = read_gguf(gguf_path)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tok.save_pretrained(str(out_dir))
-    # config.json last: its presence marks a finished conversion.
-    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    tok.save_pretrained(str(tmp))
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    try:
+        tmp.rename(out_dir)
+    except OSError:  # another process finished first: its copy is the same
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

@@ -119,7 +119,7 @@ def build_model(
     model.rotary = Rotary(cfg)
     model.to(device=device, dtype=dtype)
     model.rotary.inv_freq = rope_table_fp32(cfg, device)
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def rope_table_fp32(cfg: LlamaConfig, device) -> torch.Tensor:
@@ -153,7 +153,7 @@ def random_llama(cfg: LlamaConfig, device="cpu", dtype=torch.float32, seed: int 
             torch.nn.init.normal_(p, std=0.02)
     model.to(dtype=dtype)
     model.rotary.inv_freq = rope_table_fp32(cfg, device)
-    return model.eval()
+    return model.eval().requires_grad_(False)  # inference only: outputs never need autograd
 
 
 def file_sha256(path: Path) -> str:

@@ -1,0 +1,175 @@
+"""The MTP draft head for serving: loads the native export and runs it through its own KV cache.
+
+Math (the training module `mtp_train.heads.MTPHead` is the contract this reproduces):
+
+rmsnorm-restored:  x = fc([enorm(embed(t)); hnorm(s)]);  y = layer(x);  logits = lm_head(norm(y))
+eagle1:            x = fc([embed(t); f]) + bias, f = final_norm(h) from the target, f = y when chained;
+                   y = layer(x) without input_layernorm;  logits = lm_head(y)
+
+`s` is the target's pre-norm state h_i for an entry made from the target, or the draft's own y
+for a chained step. Positions (DESIGN "Chained drafting"): the entry for (h_i, t_{i+1}) sits at
+cache slot and rope position i and predicts t_{i+2}; chained step j ≥ 1 from base i sits at slot
+and position i + j and sees the committed entries 0 … i plus its own chain's steps 1 … j.
+
+Native format: a directory with `head.safetensors` (the training module's parameter names,
+unfused) and `config.json` (`format: mtp-train-head`, see `HeadSpec.from_config`). Embeddings,
+final norm and lm_head are the target's unless the file stores `embed_tokens.weight` /
+`lm_head.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from inference_ref.config import LlamaConfig
+from inference_ref.llama import DecoderLayer, KVCache, LlamaModel, RMSNorm, Rotary
+
+FORMAT, FORMAT_VERSION, ARCHITECTURE = "mtp-train-head", 1, "LlamaMTPHead"
+VARIANTS = ("rmsnorm-restored", "eagle1")
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """What `config.json` says about the head's shape."""
+
+    variant: str
+    """`rmsnorm-restored` or `eagle1`."""
+    layer: LlamaConfig
+    """Shape of the head's one decoder layer (the target's kind)."""
+
+    @property
+    def restored(self) -> bool:
+        return self.variant == "rmsnorm-restored"
+
+    @classmethod
+    def from_config(cls, config: dict) -> HeadSpec:
+        if (config.get("format"), config.get("format_version")) != (FORMAT, FORMAT_VERSION):
+            raise ValueError(
+                f"head config.json: format {config.get('format')!r} version {config.get('format_version')!r}"
+                f" is not {FORMAT!r} version {FORMAT_VERSION}"
+            )
+        if config.get("architecture") != ARCHITECTURE or config.get("variant") not in VARIANTS:
+            raise ValueError(
+                f"head config.json: architecture {config.get('architecture')!r} variant "
+                f"{config.get('variant')!r} is not {ARCHITECTURE!r} with a variant in {VARIANTS}"
+            )
+        return cls(config["variant"], LlamaConfig.from_hf(config["layer_config"]))
+
+
+def check_head_fits_target(config: dict, target: LlamaConfig) -> None:
+    """A head reads the target's hidden states and proposes the target's token ids: both must match."""
+    for key in ("hidden_size", "vocab_size"):
+        if config[key] != getattr(target, key):
+            raise ValueError(
+                f"head was trained for a target with {key} {config[key]}, this target has {getattr(target, key)}"
+            )
+
+
+def fuse_head_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Native (unfused) names → this module's, concatenating q|k|v and gate|up as the target does."""
+    out = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    attn = [out.pop(f"layer.self_attn.{n}_proj.weight") for n in "qkv"]
+    out["layer.self_attn.qkv_proj.weight"] = torch.cat(attn, 0)
+    gate_up = [out.pop("layer.mlp.gate_proj.weight"), out.pop("layer.mlp.up_proj.weight")]
+    out["layer.mlp.gate_up_proj.weight"] = torch.cat(gate_up, 0)
+    return out
+
+
+class MTPDraft(nn.Module):
+    """One-layer draft head sharing embeddings, final norm and lm_head with its target."""
+
+    def __init__(self, spec: HeadSpec):
+        super().__init__()
+        self.spec = spec
+        h, eps = spec.layer.hidden_size, spec.layer.rms_norm_eps
+        if spec.restored:
+            self.enorm, self.hnorm, self.norm = RMSNorm(h, eps), RMSNorm(h, eps), RMSNorm(h, eps)
+        self.fc = nn.Linear(2 * h, h, bias=not spec.restored)
+        self.layer = DecoderLayer(spec.layer)
+        if not spec.restored:
+            self.layer.input_layernorm = nn.Identity()
+        self.rotary = Rotary(spec.layer)
+
+    @classmethod
+    def from_tensors(cls, spec: HeadSpec, tensors: dict[str, torch.Tensor], target: LlamaModel) -> MTPDraft:
+        """Build from native-format tensors, on the target's device and in its dtype."""
+        weight = target.embed_tokens.weight
+        with torch.device("meta"):
+            draft = cls(spec)
+        state = {k: v.to(weight.device, weight.dtype) for k, v in fuse_head_state(tensors).items()}
+        draft.load_state_dict(state, strict=True, assign=True)
+        draft.rotary = Rotary(spec.layer).to(weight.device)  # fp32 frequencies whatever the dtype
+        draft.share(target, tensors)
+        return draft.eval()
+
+    def share(self, target: LlamaModel, tensors: dict[str, torch.Tensor]) -> None:
+        """Use the target's embeddings, final norm and lm_head (the same modules, not copies),
+        except an embedding or lm_head the head file stores itself."""
+        weight = target.embed_tokens.weight
+        self.embed_tokens, self.target_norm, self.lm_head = target.embed_tokens, target.norm, target.lm_head
+        if "embed_tokens.weight" in tensors:
+            own = tensors["embed_tokens.weight"].to(weight.device, weight.dtype)
+            self.embed_tokens = nn.Embedding.from_pretrained(own)
+        if "lm_head.weight" in tensors:
+            self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            self.lm_head.weight = nn.Parameter(tensors["lm_head.weight"].to(weight.device, weight.dtype))
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        w = self.fc.weight
+        return KVCache.empty(self.spec.layer, 1, batch, max_len, w.device, w.dtype)
+
+    def project(self, state: torch.Tensor, tokens: torch.Tensor, from_target: bool) -> torch.Tensor:
+        """fc input from (state, next token): the target's h, or the draft's own y when chained."""
+        e = self.embed_tokens(tokens).to(state.dtype)
+        if self.spec.restored:
+            return self.fc(torch.cat([self.enorm(e), self.hnorm(state)], -1))
+        # eagle1 reads features f = final_norm(h); its own y already lives in that space.
+        f = self.target_norm(state) if from_target else state
+        return self.fc(torch.cat([e, f], -1))
+
+    def run_layer(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The decoder layer on x [B, S, H] placed at the cache's lengths (slot = rope position)."""
+        slots, mask = cache.slots(x.shape[1])
+        cos, sin = self.rotary(slots, x.dtype)
+        return self.layer.forward_cached(x, cos, sin, cache.k[0], cache.v[0], slots, mask)
+
+    @torch.inference_mode()
+    def prefill(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Entries for target states h_i [B, S, H] (pre-norm) and tokens t_{i+1} [B, S], written at
+        the cache's lengths; also the refill after each verification. Does not commit: the caller
+        advances `cache.lengths`. Returns the output states y [B, S, H]."""
+        return self.run_layer(self.project(hidden, next_tokens, from_target=True), cache)
+
+    @torch.inference_mode()
+    def chain(self, y: torch.Tensor, token: torch.Tensor, cache: KVCache, step: int) -> torch.Tensor:
+        """Chained step `step` ≥ 1 from the last committed entry: reads the previous step's output
+        y [B, H] and the token it drafted [B]; writes at slot `lengths − 1 + step` (scratch, never
+        committed), seeing the committed entries and this chain's earlier steps. Returns y [B, H]."""
+        ahead = KVCache(cache.k, cache.v, cache.lengths + step - 1)
+        x = self.project(y[:, None], token[:, None], from_target=False)
+        return self.run_layer(x, ahead)[:, 0]
+
+    @torch.inference_mode()
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from output states y."""
+        z = self.norm(y) if self.spec.restored else y
+        return self.lm_head(z).float()
+
+
+def load_draft(path: str | Path, target: LlamaModel) -> MTPDraft:
+    """Load a native-format head directory for `target`, refusing one made for another shape."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    spec = HeadSpec.from_config(config)
+    check_head_fits_target(config, target.cfg)
+    tensors = load_file(str(path / "head.safetensors"))
+    for name, shared in config.get("shared_with_target", {}).items():
+        if not shared and f"{name}.weight" not in tensors:
+            raise ValueError(f"{path}: config.json says {name} is not shared, but head.safetensors lacks it")
+    return MTPDraft.from_tensors(spec, tensors, target)

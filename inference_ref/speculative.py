@@ -1,0 +1,243 @@
+"""Speculative decoding with an MTP draft, batched: the loop validation measures, whose greedy
+output must equal the target's own greedy output token for token.
+
+Each step, per row: the draft proposes k tokens (d_1 from its entry for the last committed
+position, d_2 … d_k by chaining its own output states), the target scores [last, d_1 … d_k] in one
+cached forward, the acceptable prefix of the draft is kept plus one token from the target (the
+correction at the first rejection, or the bonus after all k), and both caches commit what was kept.
+Rows accept different numbers of tokens, so each cache row advances by its own count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from inference_ref.draft import MTPDraft
+from inference_ref.generate import (
+    append_until_done,
+    at_positions,
+    draw,
+    last_logits,
+    prefill,
+    probabilities,
+    right_pad,
+    sample,
+)
+from inference_ref.llama import KVCache, LlamaModel
+
+
+@dataclass
+class SpecStats:
+    """Acceptance counts over (row, step) pairs of active rows, and where the time went."""
+
+    k: int
+    """Draft tokens proposed per step."""
+    tried: list[int] = field(init=False)
+    """tried[j-1]: steps in which draft token j was judged (tokens < j all accepted)."""
+    accepted: list[int] = field(init=False)
+    """accepted[j-1]: steps in which draft token j was accepted."""
+    steps: int = 0
+    """Target verify forwards, counted per row."""
+    emitted: int = 0
+    """Tokens those forwards produced (accepted + 1 each; tokens past an EOS or the limit included)."""
+    draft_s: float = 0.0
+    target_s: float = 0.0
+
+    def __post_init__(self):
+        self.tried, self.accepted = [0] * self.k, [0] * self.k
+
+    @property
+    def accept_rate(self) -> list[float]:
+        """accept_rate[j-1]: fraction of steps whose draft token j was accepted given tokens < j were."""
+        return [a / t if t else float("nan") for a, t in zip(self.accepted, self.tried)]
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """τ: tokens emitted per target verify forward, 1 … k+1."""
+        return self.emitted / self.steps if self.steps else float("nan")
+
+    def record(self, n_accepted: torch.Tensor, active: torch.Tensor) -> None:
+        n = n_accepted[active].tolist()
+        for j in range(self.k):
+            self.tried[j] += sum(a >= j for a in n)
+            self.accepted[j] += sum(a > j for a in n)
+        self.steps += len(n)
+        self.emitted += sum(n) + len(n)
+
+
+@dataclass
+class SpecOutput:
+    tokens: list[list[int]]
+    """New tokens per prompt, up to and including the first EOS."""
+    stats: SpecStats
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: LlamaModel,
+    draft: MTPDraft,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    k: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> SpecOutput:
+    """Generate with the target, k ≥ 1 draft tokens per verify step; greedy at temperature 0.
+    A `generator` must be on the target's device."""
+    device = target.embed_tokens.weight.device
+    eos, stats = set(eos_ids), SpecStats(k)
+    clock = Clock(device)
+    # An active row has committed < prompt + max_new_tokens − 1 entries and writes k + 1 past them;
+    # a row that finished may have committed k + 1 more, and later steps still write k + 1 past those.
+    max_len = max(len(p) for p in prompts) + max_new_tokens + 2 * k + 1
+
+    with clock.time("target"):
+        target_cache, hidden = prefill(target, prompts, max_len)
+        last = sample(last_logits(target, hidden, target_cache.lengths), temperature, generator)
+    with clock.time("draft"):
+        draft_cache, y = draft_prefill(draft, hidden, prompts, last, max_len)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    everyone = torch.ones_like(last, dtype=torch.bool)
+    active = emit(outputs, everyone, last[:, None], torch.zeros_like(last), eos, max_new_tokens)
+
+    while active.any():
+        with clock.time("draft"):
+            drafted, q = propose(draft, y, draft_cache, k, temperature, generator)
+        with clock.time("target"):
+            hidden = target.forward_cached(torch.cat([last[:, None], drafted], 1), target_cache)
+            n_accepted, last = accept(drafted, target.logits(hidden), q, temperature, generator)
+        stats.record(n_accepted, active)
+        # A row's new tokens: the accepted d_1 … d_n, then the target's token. They are also the
+        # tokens that follow the newly committed positions, which the draft's refill reads.
+        kept = torch.cat([drafted, last[:, None]], 1)
+        kept[torch.arange(len(prompts), device=device), n_accepted] = last
+        commit = torch.where(active, n_accepted + 1, 0)
+        target_cache.lengths += commit
+        with clock.time("draft"):
+            # Refill from the target's states of the committed positions, over the chain's scratch
+            # entries (made from the draft's own states); y at the last one proposes the next d_1.
+            y = at_positions(draft.prefill(hidden, kept, draft_cache), n_accepted)
+            draft_cache.lengths += commit
+        active = emit(outputs, active, kept, n_accepted, eos, max_new_tokens)
+
+    stats.draft_s, stats.target_s = clock.total["draft"], clock.total["target"]
+    return SpecOutput(outputs, stats)
+
+
+def draft_prefill(
+    draft: MTPDraft, hidden: torch.Tensor, prompts: list[list[int]], first: torch.Tensor, max_len: int
+) -> tuple[KVCache, torch.Tensor]:
+    """Draft entries for every prompt position; returns the cache and y at each row's last entry.
+
+    The entry at position i reads (h_i, t_{i+1}): the prompt shifted one left, ending with the
+    target's first generated token."""
+    ids, lengths = right_pad(prompts, first.device)
+    next_tokens = torch.cat([ids[:, 1:], ids[:, :1]], 1)
+    next_tokens[torch.arange(len(prompts), device=first.device), lengths - 1] = first
+    cache = draft.new_cache(len(prompts), max_len)
+    y = draft.prefill(hidden, next_tokens, cache)
+    cache.lengths = lengths
+    return cache, at_positions(y, lengths - 1)
+
+
+def propose(
+    draft: MTPDraft,
+    y: torch.Tensor,
+    cache: KVCache,
+    k: int,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """k draft tokens [B, k] chained from y (the entry of the last committed position), and the
+    distributions q [B, k, V] they were drawn from (None when greedy)."""
+    tokens, dists = [], []
+    for step in range(k):
+        if step > 0:
+            y = draft.chain(y, tokens[-1], cache, step)
+        logits = draft.logits(y)
+        if temperature == 0:
+            tokens.append(logits.argmax(-1))
+        else:
+            dists.append(probabilities(logits, temperature))
+            tokens.append(draw(dists[-1], generator))
+    return torch.stack(tokens, 1), torch.stack(dists, 1) if dists else None
+
+
+def accept(
+    drafted: torch.Tensor,
+    target_logits: torch.Tensor,
+    q: torch.Tensor | None,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft tokens kept per row [B] (0 … k) and the target's token that follows them [B].
+
+    target_logits [B, k+1, V]: position j scores the token after d_j (after `last` for j = 0)."""
+    if temperature == 0:
+        # Greedy: keep d_j while it equals the target's argmax; the target's argmax right after the
+        # kept prefix is the correction (first mismatch) or the bonus (all k kept).
+        best = target_logits.argmax(-1)
+        n = prefix_length(drafted == best[:, :-1])
+        return n, best.gather(1, n[:, None])[:, 0]
+    # Rejection sampling (Leviathan et al. 2023, Chen et al. 2023): accept d_j with probability
+    # min(1, p_j(d_j) / q_j(d_j)); at the first rejection sample from norm(max(0, p_j − q_j));
+    # if all k are accepted sample the bonus from p_{k+1}. The output is distributed as p exactly.
+    p = probabilities(target_logits, temperature)
+    p_d = p[:, :-1].gather(-1, drafted[..., None])[..., 0]
+    q_d = q.gather(-1, drafted[..., None])[..., 0]
+    u = torch.rand(p_d.shape, generator=generator, device=p.device)
+    n = prefix_length(u * q_d < p_d)  # u < p/q; q_d > 0 as d was drawn from q
+    # q is zero past the last draft token, so there the residual is p_{k+1}: the bonus.
+    q = torch.cat([q, torch.zeros_like(q[:, :1])], 1)
+    return n, draw(residual(at_positions(p, n), at_positions(q, n)), generator)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p − q), unnormalized; p itself where rounding left it all zero (p ≈ q)."""
+    r = (p - q).clamp_min(0)
+    return torch.where(r.sum(-1, keepdim=True) > 0, r, p)
+
+
+def prefix_length(ok: torch.Tensor) -> torch.Tensor:
+    """Leading True count per row of ok [B, k]."""
+    return ok.long().cumprod(1).sum(1)
+
+
+def emit(
+    outputs: list[list[int]],
+    active: torch.Tensor,
+    tokens: torch.Tensor,
+    n_accepted: torch.Tensor,
+    eos: set[int],
+    max_new_tokens: int,
+) -> torch.Tensor:
+    """Append each active row's first n_accepted + 1 tokens; returns which rows are still active."""
+    counts, rows, still = (n_accepted + 1).tolist(), tokens.tolist(), active.tolist()  # one copy each
+    for b, live in enumerate(still):
+        if live:
+            still[b] = not append_until_done(outputs[b], rows[b][: counts[b]], eos, max_new_tokens)
+    return torch.tensor(still, device=active.device)
+
+
+class Clock:
+    """Wall time per phase; synchronizes CUDA so queued kernels land in the phase that issued them."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.total = {"draft": 0.0, "target": 0.0}
+
+    @contextmanager
+    def time(self, phase: str) -> Iterator[None]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.total[phase] += time.perf_counter() - start
