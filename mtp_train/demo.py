@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import mtp_train.config  # noqa: F401  (registers the schema the recipes compose)
 
@@ -50,7 +51,9 @@ DEMO = [
 
 def demo_config(overrides: list[str]):
     with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        return compose("config", overrides=DEMO + list(overrides))
+        cfg = compose("config", overrides=DEMO + list(overrides))
+    OmegaConf.resolve(cfg)  # stages receive sub-configs; resolve cross-references once, here
+    return cfg
 
 
 def stage(name: str):

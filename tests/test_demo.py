@@ -30,7 +30,7 @@ def test_demo_pipeline_end_to_end(tmp_path, smollm2):
     )
     # Every stage left its product where the next one and the user look for it.
     assert (run / "regenerated.jsonl").exists()
-    assert json.loads((run / "store" / "manifest.json").read_text())["samples"] > 0
+    assert json.loads((run / "store" / "manifest.json").read_text())["num_samples"] > 0
     assert (run / "train" / "head" / "head.safetensors").exists()
     assert (run / "export" / "native" / "config.json").exists()
     assert Path(report["head"]) == run / "train" / "head"
