@@ -2,10 +2,9 @@
 
     accelerate launch --config_file recipes/accelerate/zero2_1gpu.yaml -m benchmarks.bench_train --shape llama3_8b
 
-MFU counts every model FLOP of a step: the head (fc + one decoder layer, forward and backward,
-attention included), the draft logits (forward + backward) and the target logits recomputed from
-the stored states (forward only). Recomputation inside the chunked loss is not counted (it is
-overhead, not model work). A second part measures the loss' peak memory at two vocabulary
+MFU counts every model FLOP of a step: the head (fc + one decoder layer, forward, input and weight
+gradients, attention included), the draft logits (forward and input gradient: the lm_head is
+frozen) and the target logits recomputed from the stored states (forward only). A second part measures the loss' peak memory at two vocabulary
 sizes with the same tokens: chunking keeps it flat.
 """
 
@@ -46,7 +45,9 @@ def step_flops(cfg, tokens: int, mean_len: int) -> float:
     layer = linear_flops_per_token(cfg) / cfg.num_hidden_layers
     attention = 2 * 2 * cfg.num_attention_heads * cfg.head_dim * mean_len / 2  # causal QK^T and PV
     head = 2 * 2 * h * h + layer + attention
-    return tokens * (3 * (head + 2 * h * v) + 2 * h * v)
+    # Head: forward, input and weight gradients (3×). lm_head is frozen: the draft logits need a
+    # forward and an input gradient (2×), the target logits a forward (1×).
+    return tokens * (3 * head + 2 * (2 * h * v) + 2 * h * v)
 
 
 def frozen(cfg, device):

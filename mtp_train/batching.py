@@ -114,10 +114,14 @@ class MicroBatchPlan:
 
     @property
     def per_epoch(self) -> int:
+        """Micro-batches in the first epoch (later epochs pack differently and may differ by a few)."""
         return len(self._epoch(0))
 
     def samples(self, global_index: int) -> list[int]:
-        per = self.per_epoch
-        if per == 0:
+        if self.per_epoch == 0:
             raise ValueError("the store has no sample with a supervised position (need ≥ 3 tokens)")
-        return self._epoch(global_index // per)[global_index % per]
+        epoch = 0
+        while global_index >= len(self._epoch(epoch)):
+            global_index -= len(self._epoch(epoch))
+            epoch += 1
+        return self._epoch(epoch)[global_index]

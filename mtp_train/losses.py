@@ -1,9 +1,13 @@
 """Draft losses, computed in token chunks so peak memory does not grow with tokens × vocab.
 
 Per supervised position: w_p · CE(softmax(L_target), draft logits) + w_h · SmoothL1(z, final_norm(h_next)),
-with L_target = lm_head(final_norm(h_next)) recomputed from the stored state. Each chunk's
-logits are built inside a checkpoint and rebuilt in backward, so only one chunk's
-[chunk, vocab] tensors are alive at a time.
+with L_target = lm_head(final_norm(h_next)) recomputed from the stored state.
+
+The loss is one autograd function that walks the rows chunk by chunk and, while a chunk's
+[rows, vocab] logits are alive, also forms that chunk's gradient with respect to z:
+d(w_p·CE)/d logits = w_p · (softmax(draft) − p), then × lm_head. Backward only scales the saved
+[N, H] gradient. Only one chunk's logits exist at a time, and nothing is recomputed: the
+vocabulary work is exactly draft logits + target logits + one gradient matmul.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -34,34 +37,68 @@ class LossSums:
     count: int
 
 
-def _chunk_sums(z, target_state, lm_head, w_p: float, w_h: float):
-    """One chunk: (weighted loss sum, CE sum, SmoothL1 sum, top-1 matches) over its rows."""
-    # Logits in the lm_head's dtype (bf16 on GPU), softmax in fp32.
-    draft_logits = F.linear(z.to(lm_head.dtype), lm_head).float()
-    with torch.no_grad():
-        target_logits = F.linear(target_state.to(lm_head.dtype), lm_head).float()
-        p = target_logits.softmax(-1)
-        top1 = (draft_logits.argmax(-1) == target_logits.argmax(-1)).sum()
-    ce = -(p * draft_logits.log_softmax(-1)).sum()
-    sl1 = F.smooth_l1_loss(z.float(), target_state.float(), reduction="none").mean(-1).sum()
-    return w_p * ce + w_h * sl1, ce.detach(), sl1.detach(), top1
+def _chunk(zc, tc, lm_head, w_p: float, w_h: float):
+    """One chunk's (CE sum, SmoothL1 sum, top-1 matches, d loss / d z)."""
+    # Logits in the lm_head's dtype (bf16 on GPU), softmax in fp32 (fp64 when testing in fp64).
+    work = torch.promote_types(zc.dtype, torch.float32)
+    draft_logits = F.linear(zc.to(lm_head.dtype), lm_head).to(work)
+    target_logits = F.linear(tc.to(lm_head.dtype), lm_head).to(work)
+    p = target_logits.softmax(-1)
+    log_q = draft_logits.log_softmax(-1)
+    ce = -(p * log_q).sum()
+    top1 = (draft_logits.argmax(-1) == target_logits.argmax(-1)).sum()
+    grad_logits = (log_q.exp_() - p).mul_(w_p)
+    grad = F.linear(grad_logits.to(lm_head.dtype), lm_head.t()).to(work)
+    diff = zc.to(work) - tc.to(work)
+    sl1 = F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="none").mean(-1).sum()
+    grad += diff.clamp(-1.0, 1.0) * (w_h / diff.shape[-1])  # d/dz of mean_H SmoothL1 (β = 1)
+    return ce, sl1, top1, grad
+
+
+class _ChunkedDraftLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, target_state, lm_head, w_p: float, w_h: float, chunk: int):
+        work = torch.promote_types(z.dtype, torch.float32)
+        grad = torch.empty(z.shape, dtype=work, device=z.device)
+        sums = torch.zeros(3, dtype=work, device=z.device)
+        for start in range(0, z.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            ce, sl1, top1, grad[rows] = _chunk(z[rows].detach(), target_state[rows], lm_head, w_p, w_h)
+            sums += torch.stack([ce, sl1, top1.to(work)])
+        ctx.save_for_backward(grad)
+        ctx.z_dtype = z.dtype
+        loss = w_p * sums[0] + w_h * sums[1]
+        ctx.mark_non_differentiable(sums)
+        return loss, sums
+
+    @staticmethod
+    def backward(ctx, grad_loss, _):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_loss).to(ctx.z_dtype), None, None, None, None, None
 
 
 def draft_loss(
     z: torch.Tensor, target_state: torch.Tensor, lm_head: torch.Tensor, weights: LossWeights, chunk: int
 ) -> LossSums:
     """z [N, H] head output states at supervised positions; target_state [N, H] = final_norm(h_{i+1})."""
-    totals = [z.new_zeros((), dtype=torch.float32) for _ in range(4)]
-    for start in range(0, z.shape[0], chunk):
-        zc, tc = z[start : start + chunk], target_state[start : start + chunk]
-        sums = checkpoint(_chunk_sums, zc, tc, lm_head, weights.w_p, weights.w_h, use_reentrant=False)
-        totals = [t + s for t, s in zip(totals, sums)]
-    return LossSums(*totals, count=z.shape[0])
+    loss, sums = _ChunkedDraftLoss.apply(
+        z, target_state.detach(), lm_head.detach(), weights.w_p, weights.w_h, chunk
+    )
+    return LossSums(loss, sums[0], sums[1], sums[2], count=z.shape[0])
 
 
 def reference_loss(z, target_state, lm_head, weights: LossWeights) -> LossSums:
-    """Unchunked, no recomputation: the definition the chunked loss is tested against."""
-    return LossSums(*_chunk_sums(z, target_state, lm_head, weights.w_p, weights.w_h), count=z.shape[0])
+    """Plain autograd over the whole batch: the definition the chunked loss is tested against."""
+    work = torch.promote_types(z.dtype, torch.float32)
+    draft_logits = F.linear(z.to(lm_head.dtype), lm_head).to(work)
+    with torch.no_grad():
+        target_logits = F.linear(target_state.to(lm_head.dtype), lm_head).to(work)
+        p = target_logits.softmax(-1)
+        top1 = (draft_logits.argmax(-1) == target_logits.argmax(-1)).sum()
+    ce = -(p * draft_logits.log_softmax(-1)).sum()
+    sl1 = F.smooth_l1_loss(z.to(work), target_state.to(work), reduction="none").mean(-1).sum()
+    loss = weights.w_p * ce + weights.w_h * sl1
+    return LossSums(loss, ce.detach(), sl1.detach(), top1, count=z.shape[0])
 
 
 class DraftObjective(torch.nn.Module):

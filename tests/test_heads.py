@@ -169,6 +169,9 @@ def test_micro_batch_plan_is_deterministic_and_covers_every_sample():
     plan = MicroBatchPlan(lengths, budget=128, seed=3)
     again = MicroBatchPlan(lengths, budget=128, seed=3)
     seen = [i for g in range(plan.per_epoch) for i in plan.samples(g)]
+    # Later epochs continue the global index, whatever their own micro-batch counts.
+    later = [i for g in range(plan.per_epoch, 3 * plan.per_epoch) for i in plan.samples(g)]
+    assert len(later) >= 200
     assert sorted(seen) == list(range(200))
     assert all(plan.samples(g) == again.samples(g) for g in range(plan.per_epoch + 5))
     assert all(sum(lengths[plan.samples(g)]) <= 128 for g in range(plan.per_epoch))
