@@ -65,9 +65,9 @@ def run_demo(overrides: list[str]) -> dict:
     """Run every stage; returns the validation report with the stages' figures added."""
     from mtp_train.export import export
     from mtp_train.precompute import run_precompute
-    from mtp_train.regenerate import device_and_dtype, regenerate
+    from mtp_train.regenerate import regenerate
     from mtp_train.store import Store
-    from mtp_train.targets import resolve_target
+    from mtp_train.targets import default_device, model_dtype, resolve_target
     from mtp_train.train import train
     from mtp_train.validate import run_validation, summary
 
@@ -77,7 +77,8 @@ def run_demo(overrides: list[str]) -> dict:
     target_dir = resolve_target(cfg.model.target)
     print(f"{target_dir} ({time.perf_counter() - t:.0f} s)")
     t = stage("regenerate: the target answers the prompts")
-    device, dtype = device_and_dtype(cfg.model.dtype)
+    device = default_device()
+    dtype = model_dtype(cfg.model.dtype, device)
     counts = regenerate(cfg.regenerate, target_dir, device, dtype)
     print(f"{counts} ({time.perf_counter() - t:.0f} s)")
     t = stage("precompute: hidden states to the store")

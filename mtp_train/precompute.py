@@ -51,7 +51,7 @@ from mtp_train.store import (
     quantize_fp8,
     write_json_atomic,
 )
-from mtp_train.targets import check_same_target, resolve_target, target_identity
+from mtp_train.targets import check_same_target, model_dtype, resolve_target, target_identity
 
 DISK_MARGIN_BYTES = 1 << 30  # free space kept beyond the estimate: logs, checkpoints, a wrong guess
 DISK_MARGIN_FRACTION = 0.05
@@ -235,15 +235,6 @@ def precompute_rank(job: RankJob, device) -> None:
         model = load_llama(job.target_dir, device, model_dtype(job.model_dtype, device))
         write_hidden_states(model, job, todo, writer)
     writer.finish()
-
-
-def model_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`model.dtype`: auto is bf16 on CUDA (what serving runs) and fp32 on CPU (no fast bf16 there)."""
-    dtypes = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}
-    dtypes.update(bfloat16=torch.bfloat16, float32=torch.float32)
-    if name not in dtypes:
-        raise ValueError(f"model.dtype must be one of {list(dtypes)}, got {name!r}")
-    return dtypes[name]
 
 
 def write_hidden_states(model: LlamaModel, job: RankJob, todo: list[int], writer: ShardWriter) -> None:

@@ -83,6 +83,15 @@ class Progress:
             out[k] = float(total[1 + i] / total[1 + len(names) + i].clamp(min=1))
         return out
 
+    def log_validation(self, step: int, values: dict[str, float]) -> None:
+        """Validation figures: console, metrics.jsonl and wandb (main process)."""
+        shown = "  ".join(f"{k.removeprefix('val/')} {v:.4g}" for k, v in values.items() if "_pos" not in k)
+        print(f"step {step} validation: {shown}", flush=True)
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
+
     def summary(self) -> dict:
         """Last logged figures plus the tokens and time of this (possibly resumed) run."""
         return {

@@ -25,7 +25,7 @@ from inference_ref.generate import generate
 from inference_ref.loading import load_llama
 from mtp_train.config import RegenerateConfig
 from mtp_train.data import Message, Prompt, load_prompts, prompt_ids
-from mtp_train.targets import resolve_target
+from mtp_train.targets import default_device, model_dtype, resolve_target
 
 
 @dataclass
@@ -131,19 +131,17 @@ def regenerate(rcfg: RegenerateConfig, target_dir: str | Path, device="cpu", dty
     return asdict(counts)
 
 
-def device_and_dtype(name: str) -> tuple[str, torch.dtype]:
-    """The device to run on and `model.dtype` resolved there (`auto`: bf16 on CUDA, fp32 on CPU)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "auto":
-        return device, torch.bfloat16 if device == "cuda" else torch.float32
-    return device, getattr(torch, name)
-
-
 @hydra.main(config_path="../recipes", config_name="config", version_base=None)
 def main(cfg) -> None:
-    device, dtype = device_and_dtype(cfg.model.dtype)
+    device = default_device()
+    dtype = model_dtype(cfg.model.dtype, device)
+    started = time.perf_counter()
     counts = regenerate(cfg.regenerate, resolve_target(cfg.model.target), device, dtype)
-    print(f"regenerate: {counts} -> {cfg.regenerate.output}")
+    seconds = time.perf_counter() - started
+    rate = counts["new_tokens"] / seconds
+    print(
+        f"regenerate: {counts} in {seconds:.0f} s ({rate:,.0f} new tokens/s, load included) -> {cfg.regenerate.output}"
+    )
 
 
 if __name__ == "__main__":

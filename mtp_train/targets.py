@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from inference_ref.config import LlamaConfig, read_config
@@ -114,3 +115,16 @@ def write_random_target(out_dir: str | Path, tokenizer_dir: str | Path, seed: in
             (out_dir / name).write_bytes(src.read_bytes())
     (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
     return out_dir
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def model_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`model.dtype`: auto is bf16 on CUDA (what serving runs) and fp32 on CPU (no fast bf16 there)."""
+    dtypes = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}
+    dtypes.update(bfloat16=torch.bfloat16, float32=torch.float32)
+    if name not in dtypes:
+        raise ValueError(f"model.dtype must be one of {list(dtypes)}, got {name!r}")
+    return dtypes[name]

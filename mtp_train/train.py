@@ -29,13 +29,8 @@ from mtp_train.heads import HeadConfig, MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.progress import Progress
 from mtp_train.store import Store
-from mtp_train.targets import resolve_target, target_identity
-
-
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+from mtp_train.targets import model_dtype, resolve_target, target_identity
+from mtp_train.validate import DuringTraining
 
 
 def build_head(variant: str, target_dir: Path, frozen_dtype: torch.dtype) -> MTPHead:
@@ -93,7 +88,7 @@ def train(cfg: RunConfig) -> Path:
     out_dir = Path(tc.out_dir)
     target_dir = resolve_target(cfg.model.target)
     identity = target_identity(target_dir)
-    dtype = compute_dtype(cfg.model.dtype, acc.device)
+    dtype = model_dtype(cfg.model.dtype, acc.device)
 
     store = Store(tc.store_dir)
     head = build_head(cfg.model.variant, target_dir, dtype)
@@ -118,6 +113,7 @@ def train(cfg: RunConfig) -> Path:
     plan = MicroBatchPlan(store.lengths, tc.tokens_per_micro_batch, tc.seed)
     progress = Progress(acc, cfg, total_steps=tc.steps, start_step=start)
     param_dtype = next(acc.unwrap_model(objective).head.parameters()).dtype
+    validator = None  # built at the first validation (it loads the target once)
     for step in range(start, tc.steps):
         stats = []
         for micro in range(tc.grad_accum):
@@ -138,6 +134,13 @@ def train(cfg: RunConfig) -> Path:
             checkpoint.save(acc, out_dir, done, objective, optimizer, scheduler)
         if tc.export_every and done % tc.export_every == 0 and done != tc.steps:
             export_head(acc, objective, out_dir / f"head-step{done:07d}", identity, cfg, done)
+        spec = done in tc.spec_validate_at
+        if spec or (tc.validate_every and done % tc.validate_every == 0):
+            head_dir = export_head(acc, objective, out_dir / "head-latest", identity, cfg, done)
+            if acc.is_main_process:
+                validator = validator or DuringTraining(cfg, target_dir, acc.device, dtype)
+                progress.log_validation(done, validator(head_dir, spec))
+            acc.wait_for_everyone()
     head_dir = export_head(acc, objective, out_dir / "head", identity, cfg, tc.steps)
     if acc.is_main_process:
         (out_dir / "train_summary.json").write_text(

@@ -32,8 +32,7 @@ from mtp_train.data import Conversation, Prompt, Sample, encode, load_prompts, p
 from mtp_train.export import load_head
 from mtp_train.heads import MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
-from mtp_train.targets import check_same_target, resolve_target, target_identity
-from mtp_train.train import compute_dtype
+from mtp_train.targets import check_same_target, default_device, model_dtype, resolve_target, target_identity
 
 
 @dataclass
@@ -193,8 +192,8 @@ def samples_of(ev: Evaluator, dialogs: list[list[dict]], limit: int, max_len: in
 
 def run_validation(cfg: RunConfig) -> dict:
     vc = cfg.validate
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = compute_dtype(cfg.model.dtype, device)
+    device = default_device()
+    dtype = model_dtype(cfg.model.dtype, device)
     target_dir = resolve_target(cfg.model.target)
     ev = Evaluator.load(target_dir, Path(vc.head), device, dtype)
     prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)
@@ -225,6 +224,41 @@ def run_validation(cfg: RunConfig) -> dict:
     report["teacher_forced"] = teacher_forced(ev, head, samples, store_dtype, cfg.train.loss_chunk_logits)
     write_report(report, Path(vc.report))
     return report
+
+
+class DuringTraining:
+    """The trainer's periodic validation: the teacher-forced part every `validate_every` steps and
+    the greedy speculative loop at the `spec_validate_at` steps, through inference_ref on the head
+    the trainer has just exported. The target and the target's own answers to the evaluation
+    prompts (the teacher-forced text) are computed once and kept."""
+
+    def __init__(self, cfg: RunConfig, target_dir: Path, device, dtype):
+        self.cfg, self.target_dir, self.device, self.dtype = cfg, target_dir, device, dtype
+        self.ev: Evaluator | None = None
+        self.prompts = load_prompts(cfg.validate.eval_files, limit=cfg.validate.num_prompts)
+        self.samples: list[Sample] = []
+
+    def __call__(self, head_dir: Path, spec: bool) -> dict[str, float]:
+        vc = self.cfg.validate
+        if self.ev is None:
+            self.ev = Evaluator.load(self.target_dir, head_dir, self.device, self.dtype)
+            _, dialogs, _ = target_only_pass(self.ev, self.prompts, vc)
+            self.samples = samples_of(self.ev, dialogs, vc.teacher_forced_samples, self.cfg.data.max_seq_len)
+        else:
+            self.ev.draft = load_draft(head_dir, self.ev.target)
+        head = load_head(head_dir, self.target_dir).to(device=self.device, dtype=self.dtype)
+        store_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        tf = teacher_forced(self.ev, head, self.samples, store_dtype, self.cfg.train.loss_chunk_logits)
+        out = {
+            "val/loss": tf["inference"]["ce"],
+            "val/top1": tf["inference"]["top1"],
+            "val/parity_gap": tf["parity_gap"]["ce"],
+        }
+        for k in vc.chain_lengths if spec else []:
+            run, _, _ = speculative_pass(self.ev, self.prompts, k, 0.0, vc, vc.seed)
+            out[f"val/tau_k{k}"] = run["mean_accepted_len"]
+            out.update({f"val/accept_k{k}_pos{j + 1}": a for j, a in enumerate(run["accept_rate"])})
+        return out
 
 
 def write_report(report: dict, path: Path) -> None:

@@ -143,3 +143,26 @@ def test_a_store_of_another_target_is_refused(smollm2, tiny_store, tmp_path):
     cfg = config(tiny_overrides(other, tmp_path / "run", tiny_store, "train.steps=1"))
     with pytest.raises(ValueError, match="another target.*config_hash"):
         train(cfg)
+
+
+def test_validation_runs_inside_training(tiny_target, tiny_store, tmp_path):
+    mt_bench = Path(__file__).resolve().parent.parent / "data" / "mt_bench.jsonl"
+    run = tmp_path / "run"
+    extra = [
+        "train.steps=6",
+        "train.save_every=0",
+        "train.validate_every=3",
+        "train.spec_validate_at=[6]",
+        f"validate.eval_files=[{mt_bench}]",
+        "validate.num_prompts=2",
+        "validate.max_new_tokens=8",
+        "validate.chain_lengths=[2]",
+        "validate.teacher_forced_samples=2",
+    ]
+    train(config(tiny_overrides(tiny_target, run, tiny_store, *extra)))
+    rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    validations = {r["step"]: r for r in rows if "val/loss" in r}
+    assert sorted(validations) == [3, 6]
+    assert validations[3]["val/parity_gap"] < 1e-3 and "val/tau_k2" not in validations[3]
+    assert 1.0 <= validations[6]["val/tau_k2"] <= 3.0
+    assert (run / "train" / "head-latest" / "head.safetensors").exists()
