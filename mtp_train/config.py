@@ -20,7 +20,8 @@ class ModelConfig:
     variant: str = "rmsnorm-restored"
     """Head architecture: `rmsnorm-restored` (default) or `eagle1` (the EAGLE paper's head, for ablations)."""
     dtype: str = "auto"
-    """Compute dtype for target and head: `auto` (bf16 on CUDA, fp32 on CPU), `bfloat16`, `float32`."""
+    """Compute dtype for the target and the frozen lm_head: `auto` (bf16 on CUDA and on CPUs with
+    native bf16 matrix units, else fp32), `bfloat16`, `float32`. Head parameters stay fp32."""
 
 
 @dataclass
@@ -139,6 +140,10 @@ class ValidateConfig:
     """Sequences decoded together."""
     teacher_forced_samples: int = 64
     """Samples of the store's held-out part used for the teacher-forced loss."""
+    dtype: str = "${model.dtype}"
+    """Compute dtype of the validation run. In bf16 a verify step (k+1 tokens) and a decode step
+    (1 token) round differently, so greedy outputs can part on near-ties; in float32 they are
+    token-identical, which is what `identical_to_target_greedy` checks."""
     report: str = "${run_dir}/validate/report.json"
     """JSON report path (a PNG plot is written beside it)."""
     seed: int = 0

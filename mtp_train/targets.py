@@ -121,9 +121,20 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (Intel AMX): there bf16 runs the target
+    about 2.7× faster than fp32 (SmolLM2 forward, 2 cores), elsewhere it is slower."""
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def model_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`model.dtype`: auto is bf16 on CUDA (what serving runs) and fp32 on CPU (no fast bf16 there)."""
-    dtypes = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}
+    """`model.dtype`: auto is bf16 on CUDA (what serving runs) and on CPUs with native bf16
+    matrix units, fp32 on other CPUs."""
+    fast_bf16 = device.type == "cuda" or cpu_has_fast_bf16()
+    dtypes = {"auto": torch.bfloat16 if fast_bf16 else torch.float32}
     dtypes.update(bfloat16=torch.bfloat16, float32=torch.float32)
     if name not in dtypes:
         raise ValueError(f"model.dtype must be one of {list(dtypes)}, got {name!r}")

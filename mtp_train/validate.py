@@ -193,7 +193,7 @@ def samples_of(ev: Evaluator, dialogs: list[list[dict]], limit: int, max_len: in
 def run_validation(cfg: RunConfig) -> dict:
     vc = cfg.validate
     device = default_device()
-    dtype = model_dtype(cfg.model.dtype, device)
+    dtype = model_dtype(vc.dtype, device)
     target_dir = resolve_target(cfg.model.target)
     ev = Evaluator.load(target_dir, Path(vc.head), device, dtype)
     prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)

@@ -13,6 +13,7 @@ def test_demo_pipeline_end_to_end(tmp_path, smollm2):
     report = run_demo(
         [
             f"run_dir={run}",
+            "model.dtype=float32",  # the parity check below is the fp32 one
             "regenerate.limit=12",
             "regenerate.max_new_tokens=24",
             "regenerate.batch_size=12",

@@ -38,6 +38,7 @@ def tiny_overrides(target: Path, run: Path, store: Path, *extra: str) -> list[st
     return [
         "model=tiny_random",
         f"model.target={target}",
+        "model.dtype=float32",  # exact comparisons below
         f"run_dir={run}",
         f"train.store_dir={store}",
         "train.tokens_per_micro_batch=512",
