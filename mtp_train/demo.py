@@ -7,6 +7,7 @@ entry point runs; extra arguments are Hydra overrides (e.g. `train.steps=100`).
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,11 @@ def run_demo(overrides: list[str]) -> dict:
     print(f"{exported} ({time.perf_counter() - t:.0f} s)")
     print("\n=== summary ===")
     print(f"store: {cfg.precompute.store_dir}  ({len(store)} samples, {int(store.lengths.sum())} tokens)")
+    trained = json.loads((Path(cfg.train.out_dir) / "train_summary.json").read_text())
+    print(
+        f"train: {trained['steps']} steps, {trained['tokens']:,} tokens, last loss {trained['loss']:.3f}, "
+        f"top-1 {trained['top1']:.3f} (step 1 of the chain), {trained['seconds']:.0f} s"
+    )
     print(summary(report))
     print(f"head: {head_dir}\nexport: {exported}\nreport: {cfg.validate.report}")
     print(f"total {time.perf_counter() - started:.0f} s on {torch.get_num_threads()} threads")
