@@ -9,31 +9,17 @@ from __future__ import annotations
 import argparse
 
 import torch
+from transformers import LlamaForCausalLM
 
-from benchmarks.common import shape, timed, write_result
+from benchmarks.common import DEVICE, DTYPE, hf_copy, shape, timed, write_result
 from inference_ref.generate import generate
-from inference_ref.loading import hf_state_dict, random_llama
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run
-DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+from inference_ref.loading import random_llama
 
 
 def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(64, 257, (batch,), generator=g).tolist()
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def hf_model(model, cfg):
-    from transformers import LlamaConfig as HFConfig
-    from transformers import LlamaForCausalLM
-
-    torch.set_default_dtype(DTYPE)
-    with torch.device(DEVICE):
-        hf = LlamaForCausalLM(HFConfig(**cfg.to_hf(), attn_implementation="sdpa")).eval()
-    torch.set_default_dtype(torch.float32)
-    hf.load_state_dict(hf_state_dict(model), strict=not cfg.tie_word_embeddings)
-    return hf
 
 
 def run_hf(hf, prompts: list[list[int]], new: int) -> float:
@@ -64,7 +50,7 @@ def main() -> None:
     args = p.parse_args()
     cfg = shape(args.shape)
     model = random_llama(cfg, device=DEVICE, dtype=DTYPE)
-    hf = None if args.no_hf else hf_model(model, cfg)
+    hf = None if args.no_hf else hf_copy(model, LlamaForCausalLM)
     rows = []
     for batch in args.batch:
         prompts = prompts_for(batch, cfg.vocab_size)

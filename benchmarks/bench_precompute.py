@@ -13,13 +13,20 @@ import argparse
 
 import torch
 
-from benchmarks.common import linear_flops_per_token, lognormal_lengths, shape, timed, write_result
+from benchmarks.common import (
+    DEVICE,
+    DTYPE,
+    hf_copy,
+    linear_flops_per_token,
+    lognormal_lengths,
+    shape,
+    timed,
+    write_result,
+)
 from inference_ref.attention import packed_kernel
 from inference_ref.llama import cu_seqlens_of
-from inference_ref.loading import hf_state_dict, random_llama
+from inference_ref.loading import random_llama
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run
-DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 PEAK_BF16 = 797e12  # measured bf16 matmul on this H200 (shared/gpu/README.md)
 
 
@@ -94,16 +101,10 @@ def main() -> None:
     args = p.parse_args()
     changes = {} if args.layers is None else {"num_hidden_layers": args.layers}
     cfg = shape(args.shape, **changes)
-    from transformers import LlamaConfig as HFConfig
     from transformers import LlamaModel as HFLlama
 
     model = random_llama(cfg, device=DEVICE, dtype=DTYPE)
-    torch.set_default_dtype(DTYPE)
-    with torch.device(DEVICE):
-        hf = HFLlama(HFConfig(**cfg.to_hf(), attn_implementation="sdpa")).eval()
-    torch.set_default_dtype(torch.float32)
-    weights = {k.removeprefix("model."): v for k, v in hf_state_dict(model).items() if k != "lm_head.weight"}
-    hf.load_state_dict(weights, strict=True)
+    hf = hf_copy(model, HFLlama)
 
     lengths = lognormal_lengths(args.tokens)
     g = torch.Generator().manual_seed(0)

@@ -53,6 +53,25 @@ SHAPES = {
 }
 
 RESULTS = Path(__file__).parent / "results"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
+def hf_copy(model, hf_class):
+    """A transformers model of class `hf_class` (SDPA) holding `model`'s weights, on DEVICE in DTYPE."""
+    from transformers import LlamaConfig as HFConfig
+
+    from inference_ref.loading import hf_state_dict
+
+    torch.set_default_dtype(DTYPE)
+    with torch.device(DEVICE):
+        hf = hf_class(HFConfig(**model.cfg.to_hf(), attn_implementation="sdpa")).eval()
+    torch.set_default_dtype(torch.float32)
+    weights = hf_state_dict(model)
+    if not hasattr(hf, "lm_head"):  # a bare LlamaModel: no lm_head, no "model." prefix
+        weights = {k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"}
+    hf.load_state_dict(weights, strict=not (hasattr(hf, "lm_head") and model.cfg.tie_word_embeddings))
+    return hf
 
 
 def shape(name: str, **changes) -> LlamaConfig:

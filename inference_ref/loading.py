@@ -6,7 +6,6 @@ read by name, so callers that need only the embeddings, final norm and lm_head r
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -154,11 +153,3 @@ def random_llama(cfg: LlamaConfig, device="cpu", dtype=torch.float32, seed: int 
     model.to(dtype=dtype)
     model.rotary.inv_freq = rope_table_fp32(cfg, device)
     return model.eval().requires_grad_(False)  # inference only: outputs never need autograd
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_ref.config import LlamaConfig
-from inference_ref.llama import RMSNorm, Rotary, apply_rotary
+from inference_ref.llama import RMSNorm, Rotary, apply_rotary, rms_norm
 from mtp_train.head_attention import head_attention
 
 VARIANTS = ("rmsnorm-restored", "eagle1")
@@ -122,9 +122,7 @@ class MTPHead(nn.Module):
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The target's frozen final norm."""
-        hf = h.float()
-        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.cfg.target.rms_norm_eps)
-        return self.final_norm_weight * hf.to(h.dtype)
+        return rms_norm(h, self.final_norm_weight, self.cfg.target.rms_norm_eps)
 
     def project(self, state: torch.Tensor, token_ids: torch.Tensor, first: bool) -> torch.Tensor:
         """fc input from (state, next token). `state` is the target's h (first step) or the head's y."""

@@ -82,40 +82,13 @@ def answer_turns(ev: Evaluator, prompts: list[Prompt], batch_size: int, answer) 
     return dialogs
 
 
-def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, seed: int):
-    stats = SpecStats(k)
-    tokens: list[list[int]] = []
-    generator = torch.Generator(device=ev.target.embed_tokens.weight.device).manual_seed(seed)
-
-    def answer(ids):
-        out = speculative_generate(
-            ev.target, ev.draft, ids, vc.max_new_tokens, ev.eos, k, temperature, generator
-        )
-        merge(stats, out.stats)
-        tokens.extend(out.tokens)
-        return out.tokens
-
-    started = time.perf_counter()
-    dialogs = answer_turns(ev, prompts, vc.batch_size, answer)
-    seconds = time.perf_counter() - started
-    new_tokens = sum(map(len, tokens))
-    report = {
-        "accept_rate": stats.accept_rate,
-        "mean_accepted_len": stats.mean_accepted_len,
-        "new_tokens": new_tokens,
-        "seconds": seconds,
-        "tokens_per_s": new_tokens / seconds,
-        "draft_s": stats.draft_s,
-        "target_s": stats.target_s,
-    }
-    return report, dialogs, tokens
-
-
-def target_only_pass(ev: Evaluator, prompts, vc):
+def timed_pass(ev: Evaluator, prompts, vc, generate_ids) -> tuple[dict, list, list[list[int]]]:
+    """Answer every turn with `generate_ids(ids) -> new tokens per prompt`, timed.
+    Returns (new tokens and rate, dialogs, the new tokens of every answer in order)."""
     tokens: list[list[int]] = []
 
     def answer(ids):
-        out = generate(ev.target, ids, vc.max_new_tokens, ev.eos)
+        out = generate_ids(ids)
         tokens.extend(out)
         return out
 
@@ -128,6 +101,32 @@ def target_only_pass(ev: Evaluator, prompts, vc):
         dialogs,
         tokens,
     )
+
+
+def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, seed: int):
+    stats = SpecStats(k)
+    generator = torch.Generator(device=ev.target.embed_tokens.weight.device).manual_seed(seed)
+
+    def generate_ids(ids):
+        out = speculative_generate(
+            ev.target, ev.draft, ids, vc.max_new_tokens, ev.eos, k, temperature, generator
+        )
+        merge(stats, out.stats)
+        return out.tokens
+
+    timing, dialogs, tokens = timed_pass(ev, prompts, vc, generate_ids)
+    report = {
+        "accept_rate": stats.accept_rate,
+        "mean_accepted_len": stats.mean_accepted_len,
+        **timing,
+        "draft_s": stats.draft_s,
+        "target_s": stats.target_s,
+    }
+    return report, dialogs, tokens
+
+
+def target_only_pass(ev: Evaluator, prompts, vc):
+    return timed_pass(ev, prompts, vc, lambda ids: generate(ev.target, ids, vc.max_new_tokens, ev.eos))
 
 
 # --- teacher-forced loss, twice -----------------------------------------------------------------
