@@ -1,0 +1,274 @@
+"""The quality experiment on SmolLM2-135M-Instruct (one GPU): EAGLE's head vs the rmsnorm-restored
+head vs the restored head trained on three chained steps, each with its own learning-rate sweep.
+
+    python -m experiments.quality_smollm2 run TARGET CHAT_PROMPTS.jsonl GSM8K.jsonl RUN_DIR [plan.FIELD=V ...] [HYDRA=V ...]
+    python -m experiments.quality_smollm2 report RUN_DIR docs/results
+
+`plan.FIELD=V` changes the experiment's `Plan` (e.g. `plan.steps=20 plan.lrs=1e-3,2e-3` for a
+rehearsal); any other `key=value` is a Hydra override passed to every stage.
+
+`run` goes end to end, every stage through the project's own entry points (the exact commands are
+written to RUN_DIR/commands.sh) and skipped when its output exists, so a killed run is restarted by
+running it again:
+
+1. a seeded sample of the chat prompts is set aside for choosing learning rates (never trained on);
+2. the target answers every other prompt (regenerate), and precompute stores the hidden states;
+3. every (head, lr) pair trains on the same store, with the same steps, tokens and schedule, several
+   runs at a time on the one GPU (a 3M-parameter head leaves it mostly idle); each ends with greedy
+   speculative decoding (k = 4) on the set-aside prompts;
+4. per head, the learning rate with the highest mean accepted length there is kept, and that head is
+   validated on MT-bench (both turns) and vicuna-bench for k = 1…5, greedy and T = 1.
+
+`report` turns RUN_DIR into docs/results.md's tables and PNG training curves.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Head:
+    name: str
+    overrides: tuple[str, ...]
+    """Hydra overrides that make this head what it is."""
+
+
+HEADS = (
+    Head("eagle1", ("model.variant=eagle1", "train.unroll_steps=1")),
+    Head("restored", ("model.variant=rmsnorm-restored", "train.unroll_steps=1")),
+    Head("restored_unroll3", ("model.variant=rmsnorm-restored", "train.unroll_steps=3")),
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every head gets alike. One epoch of the regenerated set is ≈ 9M stored tokens."""
+
+    lrs: tuple[float, ...] = (5e-4, 1.5e-3, 4e-3)
+    steps: int = 600
+    tokens_per_micro_batch: int = 32768
+    warmup_steps: int = 30
+    selection_prompts: int = 100
+    max_new_tokens: int = 256
+    """Regeneration and validation answer length."""
+    validation_prompts: int | None = None
+    """Benchmark prompts validated (None: all 80 of each)."""
+    parallel_runs: int = 9
+    """Training (or validation) processes sharing the GPU at once."""
+    seed: int = 0
+
+    @classmethod
+    def parse(cls, args: list[str]) -> Plan:
+        """`FIELD=V` pairs; tuples are comma-separated."""
+        values = {}
+        for arg in args:
+            key, value = arg.split("=", 1)
+            default = getattr(cls, key)
+            if isinstance(default, tuple):
+                values[key] = tuple(float(v) for v in value.split(","))
+            elif value == "None":
+                values[key] = None
+            else:
+                values[key] = int(value)
+        return cls(**values)
+
+
+BENCHES = {"mt_bench": REPO / "data/mt_bench.jsonl", "vicuna_bench": REPO / "data/vicuna_bench.jsonl"}
+
+
+class Runner:
+    """Runs entry points as subprocesses, logging each command (for commands.sh) and its output."""
+
+    def __init__(self, run_dir: Path, target: str, extra: list[str]):
+        self.run_dir, self.target, self.extra = run_dir, target, extra
+        self.logs = run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.commands = run_dir / "commands.sh"
+
+    def command(self, module: str, overrides: list[str]) -> list[str]:
+        common = ["model=smollm2_135m", f"model.target={self.target}", f"run_dir={self.run_dir}"]
+        return [sys.executable, "-m", module, *common, *overrides, *self.extra]
+
+    def start(self, name: str, module: str, overrides: list[str]) -> subprocess.Popen:
+        cmd = self.command(module, overrides)
+        with self.commands.open("a") as f:
+            f.write(shlex.join(["python", *cmd[1:]]) + "\n")
+        log = (self.logs / f"{name}.log").open("a")
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+    def run_all(self, jobs: list[tuple[str, str, list[str]]], parallel: int) -> None:
+        """Run (name, module, overrides) jobs, `parallel` at a time; fail if any fails."""
+        running: list[tuple[str, subprocess.Popen]] = []
+        failed = []
+        for job in jobs:
+            while len(running) >= parallel:
+                running, failed = _reap(running, failed)
+            running.append((job[0], self.start(*job)))
+        while running:
+            running, failed = _reap(running, failed)
+        if failed:
+            raise RuntimeError(f"failed: {failed}; see {self.logs}/<name>.log")
+
+
+def _reap(running, failed):
+    time.sleep(1)
+    still = []
+    for name, proc in running:
+        rc = proc.poll()
+        if rc is None:
+            still.append((name, proc))
+        elif rc != 0:
+            failed.append(f"{name} (exit {rc})")
+    return still, failed
+
+
+def split_prompts(chat: Path, run_dir: Path, plan: Plan) -> tuple[Path, Path]:
+    """A seeded sample of chat prompts for choosing learning rates; the rest are trained on."""
+    train, selection = run_dir / "prompts/chat_train.jsonl", run_dir / "prompts/selection.jsonl"
+    if not selection.exists():
+        # split on "\n" only: splitlines() would also cut at U+2028 inside a JSON string
+        lines = [line for line in chat.read_text(encoding="utf-8").split("\n") if line.strip()]
+        chosen = set(random.Random(plan.seed).sample(range(len(lines)), plan.selection_prompts))
+        train.parent.mkdir(parents=True, exist_ok=True)
+        train.write_text("".join(f"{x}\n" for i, x in enumerate(lines) if i not in chosen))
+        selection.write_text("".join(f"{lines[i]}\n" for i in sorted(chosen)))
+    return train, selection
+
+
+def run_name(head: Head, lr: float) -> str:
+    return f"{head.name}/lr{lr:g}"
+
+
+def training_overrides(head: Head, lr: float, run_dir: Path, selection: Path, plan: Plan) -> list[str]:
+    return [
+        *head.overrides,
+        f"train.out_dir={run_dir / 'heads' / run_name(head, lr)}",
+        f"train.lr={lr}",
+        f"train.steps={plan.steps}",
+        f"train.tokens_per_micro_batch={plan.tokens_per_micro_batch}",
+        f"train.warmup_steps={plan.warmup_steps}",
+        f"train.seed={plan.seed}",
+        f"train.save_every={plan.steps // 3}",
+        f"train.validate_every={plan.steps // 4}",
+        f"train.spec_validate_at=[{plan.steps}]",
+        f"validate.eval_files=[{selection}]",
+        f"validate.num_prompts={plan.selection_prompts}",
+        f"validate.batch_size={plan.selection_prompts}",
+        f"validate.max_new_tokens={plan.max_new_tokens}",
+        "validate.chain_lengths=[4]",
+        "validate.teacher_forced_samples=64",
+        "logging.log_every=10",
+    ]
+
+
+def last_validation(metrics: Path) -> dict:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in rows if "val/tau_k4" in r][-1]
+
+
+def select(run_dir: Path, plan: Plan) -> dict[str, dict]:
+    """Per head: each lr's final selection figures and the lr kept (highest τ at k = 4)."""
+    chosen = {}
+    for head in HEADS:
+        sweep = {
+            lr: last_validation(run_dir / "heads" / run_name(head, lr) / "metrics.jsonl") for lr in plan.lrs
+        }
+        best = max(plan.lrs, key=lambda lr: sweep[lr]["val/tau_k4"])
+        chosen[head.name] = {"lr": best, "sweep": {f"{lr:g}": v for lr, v in sweep.items()}}
+    return chosen
+
+
+def run(target: str, chat: Path, gsm8k: Path, run_dir: Path, plan: Plan, extra: list[str]) -> None:
+    run_dir = run_dir.resolve()
+    runner = Runner(run_dir, target, extra)
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    train_prompts, selection = split_prompts(chat, run_dir, plan)
+    if not (run_dir / "store/manifest.json").exists():
+        regenerate = [
+            f"regenerate.prompts=[{train_prompts},{gsm8k}]",
+            f"regenerate.max_new_tokens={plan.max_new_tokens}",
+            "regenerate.batch_size=512",
+            "regenerate.max_prompt_tokens=1024",
+        ]
+        runner.run_all([("regenerate", "mtp_train.regenerate", regenerate)], 1)
+        times["regenerate_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        precompute = [
+            f"data.train_files=[{run_dir / 'regenerated.jsonl'}]",
+            "data.max_seq_len=2048",
+            "precompute.tokens_per_batch=65536",
+        ]
+        runner.run_all([("precompute", "mtp_train.precompute", precompute)], 1)
+        times["precompute_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    jobs = [
+        (
+            run_name(h, lr).replace("/", "_"),
+            "mtp_train.train",
+            training_overrides(h, lr, run_dir, selection, plan),
+        )
+        for h in HEADS
+        for lr in plan.lrs
+        if not (run_dir / "heads" / run_name(h, lr) / "train_summary.json").exists()
+    ]
+    runner.run_all(jobs, plan.parallel_runs)
+    times["sweep_s"] = time.perf_counter() - t
+    chosen = select(run_dir, plan)
+    t = time.perf_counter()
+    jobs = []
+    for head in HEADS:
+        head_dir = run_dir / "heads" / run_name(head, chosen[head.name]["lr"]) / "head"
+        for bench, path in BENCHES.items():
+            report = run_dir / "results" / f"{head.name}_{bench}.json"
+            if not report.exists():
+                jobs.append(
+                    (
+                        f"validate_{head.name}_{bench}",
+                        "mtp_train.validate",
+                        [
+                            f"validate.head={head_dir}",
+                            f"validate.eval_files=[{path}]",
+                            f"validate.report={report}",
+                            "validate.batch_size=80",
+                            f"validate.max_new_tokens={plan.max_new_tokens}",
+                            "validate.chain_lengths=[1,2,3,4,5]",
+                            "validate.temperatures=[0.0,1.0]",
+                            f"validate.num_prompts={plan.validation_prompts}".replace("None", "null"),
+                        ],
+                    )
+                )
+    runner.run_all(jobs, plan.parallel_runs)
+    times["validate_s"] = time.perf_counter() - t
+    summary_path = run_dir / "experiment.json"
+    earlier = json.loads(summary_path.read_text())["wall_s"] if summary_path.exists() else {}
+    summary = {"plan": plan.__dict__, "chosen": chosen, "wall_s": {**earlier, **times}}
+    summary_path.write_text(json.dumps(summary, indent=2, default=list))
+    print(json.dumps(summary, indent=2, default=list))
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["run"] and len(argv) >= 5:
+        plan = Plan.parse([a.removeprefix("plan.") for a in argv[5:] if a.startswith("plan.")])
+        extra = [a for a in argv[5:] if not a.startswith("plan.")]
+        run(argv[1], Path(argv[2]), Path(argv[3]), Path(argv[4]), plan, extra)
+    elif argv[:1] == ["report"] and len(argv) == 3:
+        from experiments.quality_report import write_report
+
+        write_report(Path(argv[1]), Path(argv[2]))
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
