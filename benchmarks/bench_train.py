@@ -69,13 +69,19 @@ class TrainConfigView:
 
 def throughput(args, acc: Accelerator) -> dict:
     cfg = shape(args.shape)
-    head = MTPHead(HeadConfig("rmsnorm-restored", cfg), frozen(cfg, acc.device))
+    head = MTPHead(HeadConfig(args.variant, cfg), frozen(cfg, acc.device))
     objective = DraftObjective(head, LossWeights(), chunk_logits=args.chunk_logits, decay=0.8)
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
     configure_deepspeed(acc, TrainConfigView)
     objective, optimizer = acc.prepare(objective, optimizer)
     dtype = next(acc.unwrap_model(objective).head.parameters()).dtype
-    batch = collate(synthetic_samples(cfg, args.tokens, args.sample_len), steps=1).to(acc.device, dtype)
+    samples = synthetic_samples(cfg, args.tokens, args.sample_len)
+    batch = collate(samples, steps=args.unroll).to(acc.device, dtype)
+    started = time.perf_counter()
+    collate(samples, steps=args.unroll).to(acc.device, dtype)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    load_seconds = time.perf_counter() - started
     torch.cuda.reset_peak_memory_stats()
 
     def one_step():
@@ -93,9 +99,12 @@ def throughput(args, acc: Accelerator) -> dict:
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / args.steps
     tokens = batch.tokens - len(batch.segments.cu_seqlens) + 1
-    flops = step_flops(cfg, tokens, args.sample_len)
+    flops = args.unroll * step_flops(cfg, tokens, args.sample_len)  # every chained step: the same work
     return {
         "micro_batch_tokens": tokens,
+        "unroll_steps": args.unroll,
+        "param_dtype": str(dtype),
+        "batch_load_seconds": load_seconds,
         "tokens_per_s": tokens / seconds,
         "step_seconds": seconds,
         "tflops_per_s": flops / seconds / 1e12,
@@ -126,21 +135,26 @@ def main() -> None:
     p.add_argument("--chunk-logits", type=int, default=2**27)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--unroll", type=int, default=1, help="chained training steps (train.unroll_steps)")
+    p.add_argument("--variant", default="rmsnorm-restored")
+    p.add_argument("--skip-loss-memory", action="store_true")
     args = p.parse_args()
     acc = Accelerator()
     figures = {
         "command": "accelerate launch --config_file recipes/accelerate/zero2_1gpu.yaml -m benchmarks.bench_train "
-        f"--shape {args.shape} --tokens {args.tokens}",
+        f"--shape {args.shape} --tokens {args.tokens} --unroll {args.unroll}",
         "distributed": str(acc.distributed_type),
         **throughput(args, acc),
     }
     h = shape(args.shape).hidden_size
-    for vocab in (49152, 128256):
+    for vocab in () if args.skip_loss_memory else (49152, 128256):
         rows = max(1, args.chunk_logits // vocab)
         figures[f"loss_peak_gib_vocab_{vocab}"] = loss_memory(h, vocab, args.tokens, rows)
     figures["loss_peak_gib_vocab_128k_unchunked_estimate"] = args.tokens * 128256 * 4 * 3 / 2**30
     if acc.is_main_process:
-        write_result(f"train_{args.shape}", figures)
+        suffix = "" if args.unroll == 1 else f"_unroll{args.unroll}"
+        plain = "" if acc.state.deepspeed_plugin else "_no_deepspeed"
+        write_result(f"train_{args.shape}{suffix}{plain}", figures)
 
 
 if __name__ == "__main__":

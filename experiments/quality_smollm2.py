@@ -25,6 +25,7 @@ running it again:
 from __future__ import annotations
 
 import json
+import os
 import random
 import shlex
 import subprocess
@@ -99,21 +100,25 @@ class Runner:
         common = ["model=smollm2_135m", f"model.target={self.target}", f"run_dir={self.run_dir}"]
         return [sys.executable, "-m", module, *common, *overrides, *self.extra]
 
-    def start(self, name: str, module: str, overrides: list[str]) -> subprocess.Popen:
+    def start(self, name: str, module: str, overrides: list[str], threads: int) -> subprocess.Popen:
         cmd = self.command(module, overrides)
         with self.commands.open("a") as f:
             f.write(shlex.join(["python", *cmd[1:]]) + "\n")
         log = (self.logs / f"{name}.log").open("a")
-        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        # Processes sharing the machine split its cores: each defaulting to all of them
+        # oversubscribes the CPU, and a small head's training step is CPU-bound.
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def run_all(self, jobs: list[tuple[str, str, list[str]]], parallel: int) -> None:
         """Run (name, module, overrides) jobs, `parallel` at a time; fail if any fails."""
         running: list[tuple[str, subprocess.Popen]] = []
         failed = []
+        threads = max(1, (os.cpu_count() or 1) // min(parallel, max(1, len(jobs))))
         for job in jobs:
             while len(running) >= parallel:
                 running, failed = _reap(running, failed)
-            running.append((job[0], self.start(*job)))
+            running.append((job[0], self.start(*job, threads)))
         while running:
             running, failed = _reap(running, failed)
         if failed:

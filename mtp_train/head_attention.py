@@ -30,6 +30,12 @@ def head_attention(
     """q [T, Hq, d] of the current step; kv: (k, v) [T, Hkv, d] of steps 0 … j → [T, Hq, d]."""
     k0, v0 = kv[0]
     if len(kv) == 1:
+        if q.is_cuda and q.dtype == torch.float32:
+            # fp32 training without DeepSpeed's bf16: FlashAttention takes 16-bit inputs only, and
+            # its fallback (one SDPA call per sample) makes a small head's step CPU-bound. Run it
+            # in bf16 as autocast would; the result and the gradients return to fp32.
+            half = [t.bfloat16() for t in (q, k0, v0)]
+            return packed_causal_attention(*half, seg.cu_seqlens, seg.max_len).float()
         return packed_causal_attention(q, k0, v0, seg.cu_seqlens, seg.max_len)
     out0, lse0 = causal_attention_with_lse(q, k0, v0, seg)
     group = q.shape[1] // k0.shape[1]

@@ -71,3 +71,18 @@ def test_training_step_on_gpu():
         loss.backward()
         assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in head.parameters())
         head.zero_grad()
+
+
+def test_fp32_head_attention_runs_the_bf16_kernel_and_returns_fp32_gradients():
+    from mtp_train.head_attention import Segments, head_attention
+
+    torch.manual_seed(0)
+    lens = [37, 300, 5, 128]
+    cu = cu_seqlens_of(lens, device="cuda")
+    q, k, v = (torch.randn(sum(lens), h, 64, device="cuda", requires_grad=True) for h in (8, 2, 2))
+    out = head_attention(q, [(k, v)], Segments(cu, max(lens)))
+    assert out.dtype == torch.float32
+    ref = _sdpa_per_sequence(q.detach(), k.detach(), v.detach(), cu)
+    torch.testing.assert_close(out.detach(), ref, atol=2e-2, rtol=2e-2)
+    out.square().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(k.grad).all() and v.grad.abs().sum() > 0

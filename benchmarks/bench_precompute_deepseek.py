@@ -1,0 +1,174 @@
+"""Hidden-state dump at the DeepSeek-V2-Lite shape (15.7B parameters, 2.4B active per token):
+inference_ref's packed forward (varlen MLA, grouped-matmul MoE) vs transformers' `DeepseekV2Model`
+(SDPA, length-sorted padded batches), one run, same random weights.
+
+    python -m benchmarks.bench_precompute_deepseek --tokens 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.bench_precompute import packed_batches, padded_batches, run_hf, run_ours
+from benchmarks.common import DEVICE, DTYPE, lognormal_lengths, write_result
+from inference_ref.attention import packed_kernel
+from inference_ref.deepseek_v2 import DeepseekV2Config, DeepseekV2Model, Rotary, grouped_kernel, hf_state_dict
+from inference_ref.llama import cu_seqlens_of
+
+# DeepSeek-V2-Lite's config.json (the fields the model reads).
+LITE = dict(
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    routed_scaling_factor=1.0,
+    topk_method="greedy",
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=False,
+    scoring_func="softmax",
+    rms_norm_eps=1e-6,
+    rope_theta=10000,
+    rope_scaling={
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    max_position_embeddings=163840,
+    tie_word_embeddings=False,
+    bos_token_id=100000,
+    eos_token_id=100001,
+    hidden_act="silu",
+    attention_bias=False,
+    model_type="deepseek_v2",
+)
+
+
+def active_flops_per_token(cfg: DeepseekV2Config) -> float:
+    """2 × the linear-layer parameters one token goes through (MLA projections, dense or
+    shared + top-k routed experts), summed over layers."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    attn = h * (heads * cfg.qk_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    attn += cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) + heads * cfg.v_head_dim * h
+    dense = 3 * h * cfg.intermediate_size
+    moe = 3 * h * cfg.moe_intermediate_size * (cfg.n_shared_experts + cfg.num_experts_per_tok)
+    moe += h * cfg.n_routed_experts
+    per_layer = [attn + (moe if cfg.is_moe(i) else dense) for i in range(cfg.num_hidden_layers)]
+    return 2.0 * sum(per_layer)
+
+
+def random_on_device(cfg: DeepseekV2Config) -> DeepseekV2Model:
+    """Random weights made on the GPU in bf16 (15.7B parameters: the CPU path would take minutes)."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(DTYPE)
+    with torch.device(DEVICE):
+        model = DeepseekV2Model(cfg)
+    torch.set_default_dtype(torch.float32)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            torch.nn.init.normal_(p, mean=1.0, std=0.1)
+        else:
+            torch.nn.init.normal_(p, std=0.02)
+    for layer in model.layers:  # the router runs in fp32, as transformers keeps it
+        if hasattr(layer.mlp, "router"):
+            layer.mlp.router.float()
+    model.rotary = Rotary(cfg).to(DEVICE)
+    return model.eval().requires_grad_(False)
+
+
+def hf_copy(model: DeepseekV2Model):
+    from transformers import DeepseekV2Config as HFConfig
+    from transformers import DeepseekV2Model as HFModel
+
+    with torch.device("meta"):
+        hf = HFModel(HFConfig(**model.cfg.to_hf(), attn_implementation="sdpa"))
+    weights = {k.removeprefix("model."): v for k, v in hf_state_dict(model, stacked=True).items()}
+    weights.pop("lm_head.weight", None)
+    hf.load_state_dict(weights, strict=False, assign=True)
+    missing = [n for n, p in hf.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"transformers' model has weights this copy does not fill: {missing[:5]}")
+    with torch.device(DEVICE):  # its non-persistent buffers were made on meta
+        hf.rotary_emb = type(hf.rotary_emb)(hf.config)
+    hf = hf.to(DEVICE).eval()
+    on_meta = [n for n, b in hf.named_buffers() if b.is_meta]
+    if on_meta:
+        raise RuntimeError(f"buffers left on meta: {on_meta[:5]}")
+    return hf
+
+
+@torch.inference_mode()
+def check_agreement(model, hf, ids: torch.Tensor) -> float:
+    ids = ids.to(DEVICE)
+    ours, _ = model.forward_packed(ids, cu_seqlens_of([len(ids)], device=DEVICE))
+    ref = hf(input_ids=ids[None]).last_hidden_state[0]
+    return float((model.norm(ours) - ref).abs().max() / ref.abs().max())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=200_000)
+    p.add_argument("--batch-tokens", type=int, default=32768)
+    p.add_argument("--layers", type=int, default=None, help="override depth (quick checks)")
+    args = p.parse_args()
+    hf_cfg = dict(LITE, **({} if args.layers is None else {"num_hidden_layers": args.layers}))
+    cfg = DeepseekV2Config.from_hf(hf_cfg)
+    model = random_on_device(cfg)
+    hf = hf_copy(model)
+    lengths = lognormal_lengths(args.tokens)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    tokens = sum(lengths)
+    hf_batches = padded_batches(lengths, args.batch_tokens)
+    our_batches = packed_batches(lengths, args.batch_tokens)
+    run_hf(hf, seqs, hf_batches[-2:])
+    run_ours(model, seqs, our_batches[:2], cfg.hidden_size)
+    agreement = check_agreement(model, hf, seqs[0][:512])
+    t_hf = run_hf(hf, seqs, hf_batches)
+    t_ours = run_ours(model, seqs, our_batches, cfg.hidden_size)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in hf_batches)
+    ours_tps, hf_tps = tokens / t_ours, tokens / t_hf
+    flops = active_flops_per_token(cfg)
+    write_result(
+        "precompute_deepseek_v2_lite",
+        {
+            "command": f"python -m benchmarks.bench_precompute_deepseek --tokens {args.tokens}",
+            "layers": cfg.num_hidden_layers,
+            "tokens": tokens,
+            "sequences": len(lengths),
+            "batch_tokens": args.batch_tokens,
+            "hf_sorted_padded_tokens_per_s": hf_tps,
+            "hf_pad_efficiency": tokens / padded,
+            "inference_ref_packed_tokens_per_s": ours_tps,
+            "speedup": ours_tps / hf_tps,
+            "active_linear_gflop_per_token": flops / 1e9,
+            "inference_ref_tflops_per_s": ours_tps * flops / 1e12,
+            "attention_kernel": packed_kernel(),
+            "expert_kernel": grouped_kernel(),
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None,
+            "max_rel_diff_vs_hf_normed_hidden": agreement,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
