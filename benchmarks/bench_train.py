@@ -141,8 +141,12 @@ def main() -> None:
     args = p.parse_args()
     acc = Accelerator()
     figures = {
-        "command": "accelerate launch --config_file recipes/accelerate/zero2_1gpu.yaml -m benchmarks.bench_train "
-        f"--shape {args.shape} --tokens {args.tokens} --unroll {args.unroll}",
+        "command": (
+            "accelerate launch --config_file recipes/accelerate/zero2_1gpu.yaml -m benchmarks.bench_train"
+            if acc.state.deepspeed_plugin
+            else "python -m benchmarks.bench_train"
+        )
+        + f" --shape {args.shape} --tokens {args.tokens} --unroll {args.unroll}",
         "distributed": str(acc.distributed_type),
         **throughput(args, acc),
     }
@@ -150,7 +154,8 @@ def main() -> None:
     for vocab in () if args.skip_loss_memory else (49152, 128256):
         rows = max(1, args.chunk_logits // vocab)
         figures[f"loss_peak_gib_vocab_{vocab}"] = loss_memory(h, vocab, args.tokens, rows)
-    figures["loss_peak_gib_vocab_128k_unchunked_estimate"] = args.tokens * 128256 * 4 * 3 / 2**30
+    if not args.skip_loss_memory:
+        figures["loss_peak_gib_vocab_128k_unchunked_estimate"] = args.tokens * 128256 * 4 * 3 / 2**30
     if acc.is_main_process:
         suffix = "" if args.unroll == 1 else f"_unroll{args.unroll}"
         plain = "" if acc.state.deepspeed_plugin else "_no_deepspeed"
