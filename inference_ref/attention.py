@@ -58,6 +58,30 @@ def _varlen(q, k, v, cu_seqlens, max_len):
     return _VARLEN(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
 
 
+def varlen_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Causal varlen FlashAttention (CUDA, 16-bit) returning (out [T, Hq, d], the log-sum-exp of
+    each query's scaled scores [T, Hq] in fp32); forward only (the kernel gives no gradient of
+    the log-sum-exp). None where this torch's kernel cannot (the caller then falls back)."""
+    if _VARLEN is None or not q.is_cuda:
+        return None
+    from torch.nn.attention.varlen import AuxRequest
+
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    cu = cu_seqlens.to(torch.int32)
+    try:
+        out, lse = _VARLEN(
+            q, k, v, cu, cu, max_len, max_len, return_aux=AuxRequest(lse=True), window_size=(-1, 0)
+        )
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    if lse.shape[0] != q.shape[0]:  # FlashAttention keeps it [heads, tokens]
+        lse = lse.transpose(0, 1)
+    return out, lse.float()
+
+
 def _sdpa_per_sequence(q, k, v, cu_seqlens):
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
