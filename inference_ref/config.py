@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -24,6 +25,8 @@ class RopeScaling:
 @dataclass(frozen=True)
 class LlamaConfig:
     """Shape of a `LlamaForCausalLM` checkpoint (Llama 2/3.x, SmolLM2, ...)."""
+
+    model_type: ClassVar[str] = "llama"
 
     vocab_size: int
     hidden_size: int
@@ -80,7 +83,7 @@ class LlamaConfig:
         """The `config.json` dict transformers' `LlamaForCausalLM` reads back to this shape."""
         hf = {
             "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from inference_ref.llama import KVCache, LlamaModel
+from inference_ref.target import Cache, TargetModel
 
 
 class DecodeStep:
     """Next-token logits [B, V] (fp32) for ids [B, new] placed after each row's committed entries."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, new: int = 1, graph: bool | None = None):
+    def __init__(self, model: TargetModel, cache: Cache, new: int = 1, graph: bool | None = None):
         self.model, self.cache = model, cache
         device = cache.lengths.device
         self.graph = None

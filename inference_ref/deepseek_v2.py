@@ -393,14 +393,20 @@ class LatentCache:
     lengths: torch.Tensor  # [B] int64
 
     @classmethod
-    def empty(cls, cfg: DeepseekV2Config, batch: int, max_len: int, device, dtype) -> LatentCache:
+    def empty(
+        cls, cfg: DeepseekV2Config, layers: int, batch: int, max_len: int, device, dtype
+    ) -> LatentCache:
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        kv = torch.zeros(cfg.num_hidden_layers, batch, max_len, width, device=device, dtype=dtype)
+        kv = torch.zeros(layers, batch, max_len, width, device=device, dtype=dtype)
         return cls(kv, torch.zeros(batch, dtype=torch.long, device=device))
 
     @property
     def max_len(self) -> int:
         return self.kv.shape[2]
+
+    def shifted(self, n: int) -> LatentCache:
+        """The same storage with every row `n` entries longer (see `llama.KVCache.shifted`)."""
+        return LatentCache(self.kv, self.lengths + n)
 
     def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, new] the next `new` tokens take, and their mask (see `llama.KVCache.slots`)."""
@@ -578,7 +584,7 @@ class DeepseekV2Model(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> LatentCache:
         w = self.embed_tokens.weight
-        return LatentCache.empty(self.cfg, batch, max_len, w.device, w.dtype)
+        return LatentCache.empty(self.cfg, len(self.layers), batch, max_len, w.device, w.dtype)
 
     @torch.inference_mode()
     def forward_cached(

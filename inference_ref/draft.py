@@ -1,5 +1,9 @@
 """The MTP draft head for serving: loads the native export and runs it through its own KV cache.
 
+The decoder layer is the target's kind: a Llama layer with a KV cache, or for a DeepSeek-V2
+target an MLA layer (dense MLP) with a latent cache, attending in the latent space as the target's
+decode does.
+
 Math (the training module `mtp_train.heads.MTPHead` is the contract this reproduces):
 
 rmsnorm-restored:  x = fc([enorm(embed(t)); hnorm(s)]);  y = layer(x);  logits = lm_head(norm(y))
@@ -27,11 +31,15 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from inference_ref.config import LlamaConfig
-from inference_ref.llama import DecoderLayer, KVCache, LlamaModel, RMSNorm, Rotary
+from inference_ref import deepseek_v2 as ds
+from inference_ref.deepseek_v2 import DeepseekV2Config, LatentCache
+from inference_ref.llama import DecoderLayer, KVCache, RMSNorm, Rotary
+from inference_ref.target import Cache, TargetConfig, TargetModel, config_from_hf
 
-FORMAT, FORMAT_VERSION, ARCHITECTURE = "mtp-train-head", 1, "LlamaMTPHead"
+FORMAT, FORMAT_VERSION = "mtp-train-head", 1
+ARCHITECTURES = {"llama": "LlamaMTPHead", "deepseek_v2": "DeepseekV2MTPHead"}  # by target kind
 VARIANTS = ("rmsnorm-restored", "eagle1")
+SHARED = ("embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,7 @@ class HeadSpec:
 
     variant: str
     """`rmsnorm-restored` or `eagle1`."""
-    layer: LlamaConfig
+    layer: TargetConfig
     """Shape of the head's one decoder layer (the target's kind)."""
 
     @property
@@ -54,16 +62,25 @@ class HeadSpec:
                 f"head config.json: format {config.get('format')!r} version {config.get('format_version')!r}"
                 f" is not {FORMAT!r} version {FORMAT_VERSION}"
             )
-        if config.get("architecture") != ARCHITECTURE or config.get("variant") not in VARIANTS:
+        layer = config_from_hf(config["layer_config"])
+        expected = ARCHITECTURES[layer.model_type]
+        if config.get("architecture") != expected or config.get("variant") not in VARIANTS:
             raise ValueError(
                 f"head config.json: architecture {config.get('architecture')!r} variant "
-                f"{config.get('variant')!r} is not {ARCHITECTURE!r} with a variant in {VARIANTS}"
+                f"{config.get('variant')!r} is not {expected!r} with a variant in {VARIANTS}"
             )
-        return cls(config["variant"], LlamaConfig.from_hf(config["layer_config"]))
+        return cls(config["variant"], layer)
 
 
-def check_head_fits_target(config: dict, target: LlamaConfig) -> None:
-    """A head reads the target's hidden states and proposes the target's token ids: both must match."""
+def check_head_fits_target(config: dict, target: TargetConfig) -> None:
+    """A head reads the target's hidden states and proposes the target's token ids, with a layer of
+    the target's kind: kind and sizes must match."""
+    kind = config["layer_config"].get("model_type")
+    if kind != target.model_type:
+        raise ValueError(
+            f"head was trained for a {kind} target ({config.get('architecture')}), this target is "
+            f"{target.model_type}"
+        )
     for key in ("hidden_size", "vocab_size"):
         if config[key] != getattr(target, key):
             raise ValueError(
@@ -71,11 +88,16 @@ def check_head_fits_target(config: dict, target: LlamaConfig) -> None:
             )
 
 
-def fuse_head_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Native (unfused) names → this module's, concatenating q|k|v and gate|up as the target does."""
-    out = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
-    attn = [out.pop(f"layer.self_attn.{n}_proj.weight") for n in "qkv"]
-    out["layer.self_attn.qkv_proj.weight"] = torch.cat(attn, 0)
+def fuse_head_state(tensors: dict[str, torch.Tensor], layer: TargetConfig) -> dict[str, torch.Tensor]:
+    """Native (unfused) names → this module's, concatenating the projections that read the layer's
+    input (q|k|v, or DeepSeek's q|kv_a) and gate|up, as the target does."""
+    out = {k: v for k, v in tensors.items() if k not in SHARED}
+    if isinstance(layer, DeepseekV2Config):
+        fused, parts = "q_kv_a_proj", ["q_a_proj" if layer.q_lora_rank else "q_proj", "kv_a_proj_with_mqa"]
+    else:
+        fused, parts = "qkv_proj", ["q_proj", "k_proj", "v_proj"]
+    attn = [out.pop(f"layer.self_attn.{n}.weight") for n in parts]
+    out[f"layer.self_attn.{fused}.weight"] = torch.cat(attn, 0)
     gate_up = [out.pop("layer.mlp.gate_proj.weight"), out.pop("layer.mlp.up_proj.weight")]
     out["layer.mlp.gate_up_proj.weight"] = torch.cat(gate_up, 0)
     return out
@@ -91,24 +113,25 @@ class MTPDraft(nn.Module):
         if spec.restored:
             self.enorm, self.hnorm, self.norm = RMSNorm(h, eps), RMSNorm(h, eps), RMSNorm(h, eps)
         self.fc = nn.Linear(2 * h, h, bias=not spec.restored)
-        self.layer = DecoderLayer(spec.layer)
+        self.layer, self.rotary = layer_of_kind(spec.layer)
         if not spec.restored:
             self.layer.input_layernorm = nn.Identity()
-        self.rotary = Rotary(spec.layer)
 
     @classmethod
-    def from_tensors(cls, spec: HeadSpec, tensors: dict[str, torch.Tensor], target: LlamaModel) -> MTPDraft:
+    def from_tensors(cls, spec: HeadSpec, tensors: dict[str, torch.Tensor], target: TargetModel) -> MTPDraft:
         """Build from native-format tensors, on the target's device and in its dtype."""
         weight = target.embed_tokens.weight
         with torch.device("meta"):
             draft = cls(spec)
-        state = {k: v.to(weight.device, weight.dtype) for k, v in fuse_head_state(tensors).items()}
+        state = {
+            k: v.to(weight.device, weight.dtype) for k, v in fuse_head_state(tensors, spec.layer).items()
+        }
         draft.load_state_dict(state, strict=True, assign=True)
-        draft.rotary = Rotary(spec.layer).to(weight.device)  # fp32 frequencies whatever the dtype
+        draft.rotary = type(draft.rotary)(spec.layer).to(weight.device)  # fp32 frequencies whatever the dtype
         draft.share(target, tensors)
         return draft.eval()
 
-    def share(self, target: LlamaModel, tensors: dict[str, torch.Tensor]) -> None:
+    def share(self, target: TargetModel, tensors: dict[str, torch.Tensor]) -> None:
         """Use the target's embeddings, final norm and lm_head (the same modules, not copies),
         except an embedding or lm_head the head file stores itself."""
         weight = target.embed_tokens.weight
@@ -120,9 +143,10 @@ class MTPDraft(nn.Module):
             self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
             self.lm_head.weight = nn.Parameter(tensors["lm_head.weight"].to(weight.device, weight.dtype))
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int) -> Cache:
         w = self.fc.weight
-        return KVCache.empty(self.spec.layer, 1, batch, max_len, w.device, w.dtype)
+        kind = LatentCache if isinstance(self.spec.layer, DeepseekV2Config) else KVCache
+        return kind.empty(self.spec.layer, 1, batch, max_len, w.device, w.dtype)
 
     def project(self, state: torch.Tensor, tokens: torch.Tensor, from_target: bool) -> torch.Tensor:
         """fc input from (state, next token): the target's h, or the draft's own y when chained."""
@@ -133,25 +157,28 @@ class MTPDraft(nn.Module):
         f = self.target_norm(state) if from_target else state
         return self.fc(torch.cat([e, f], -1))
 
-    def run_layer(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def run_layer(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
         """The decoder layer on x [B, S, H] placed at the cache's lengths (slot = rope position)."""
         slots, mask = cache.slots(x.shape[1])
+        if isinstance(cache, LatentCache):
+            cos, sin = self.rotary(slots)  # fp32, applied in fp32 as the DeepSeek target does
+            return self.layer.forward_cached(x, cos, sin, cache.kv[0], slots, mask)
         cos, sin = self.rotary(slots, x.dtype)
         return self.layer.forward_cached(x, cos, sin, cache.k[0], cache.v[0], slots, mask)
 
     @torch.inference_mode()
-    def prefill(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def prefill(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: Cache) -> torch.Tensor:
         """Entries for target states h_i [B, S, H] (pre-norm) and tokens t_{i+1} [B, S], written at
         the cache's lengths; also the refill after each verification. Does not commit: the caller
         advances `cache.lengths`. Returns the output states y [B, S, H]."""
         return self.run_layer(self.project(hidden, next_tokens, from_target=True), cache)
 
     @torch.inference_mode()
-    def chain(self, y: torch.Tensor, token: torch.Tensor, cache: KVCache, step: int) -> torch.Tensor:
+    def chain(self, y: torch.Tensor, token: torch.Tensor, cache: Cache, step: int) -> torch.Tensor:
         """Chained step `step` ≥ 1 from the last committed entry: reads the previous step's output
         y [B, H] and the token it drafted [B]; writes at slot `lengths − 1 + step` (scratch, never
         committed), seeing the committed entries and this chain's earlier steps. Returns y [B, H]."""
-        ahead = KVCache(cache.k, cache.v, cache.lengths + step - 1)
+        ahead = cache.shifted(step - 1)
         x = self.project(y[:, None], token[:, None], from_target=False)
         return self.run_layer(x, ahead)[:, 0]
 
@@ -162,7 +189,15 @@ class MTPDraft(nn.Module):
         return self.lm_head(z).float()
 
 
-def load_draft(path: str | Path, target: LlamaModel) -> MTPDraft:
+def layer_of_kind(cfg: TargetConfig) -> tuple[nn.Module, nn.Module]:
+    """The head's decoder layer and rotary table, of the target's kind. A DeepSeek-kind head's MLP
+    is dense (`intermediate_size` wide), as `mtp_train.heads` trains it."""
+    if isinstance(cfg, DeepseekV2Config):
+        return ds.DecoderLayer(cfg, moe=False), ds.Rotary(cfg)
+    return DecoderLayer(cfg), Rotary(cfg)
+
+
+def load_draft(path: str | Path, target: TargetModel) -> MTPDraft:
     """Load a native-format head directory for `target`, refusing one made for another shape."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())

@@ -1,7 +1,7 @@
 """Batched target-only generation through the KV cache: the reference the speculative loop must match.
 
 Prompts of different lengths are prefilled together, right-padded, from an empty cache. The padded
-tail of a short row writes cache entries past that row's length; they are scratch (see `KVCache`)
+tail of a short row writes cache entries past that row's length; they are scratch (see `llama.KVCache`)
 and the row's first decoded token overwrites them.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from inference_ref.decode_graph import DecodeStep
-from inference_ref.llama import KVCache, LlamaModel
+from inference_ref.target import Cache, TargetModel
 
 
 def right_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,7 +27,7 @@ def at_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return x[torch.arange(x.shape[0], device=x.device), positions]
 
 
-def last_logits(model: LlamaModel, hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def last_logits(model: TargetModel, hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """fp32 logits [B, V] at each row's last real token of a right-padded hidden [B, S, H]."""
     return model.logits(at_positions(hidden, lengths - 1))
 
@@ -50,7 +50,7 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     return draw(probabilities(logits, temperature), generator)
 
 
-def prefill(model: LlamaModel, prompts: list[list[int]], max_len: int) -> tuple[KVCache, torch.Tensor]:
+def prefill(model: TargetModel, prompts: list[list[int]], max_len: int) -> tuple[Cache, torch.Tensor]:
     """Run all prompts as one right-padded forward from an empty cache and commit each row's prompt.
 
     Returns the cache and the hidden states [B, S, H] (before the final norm)."""
@@ -75,7 +75,7 @@ def append_until_done(out: list[int], new: list[int], eos: set[int], max_new_tok
 
 @torch.inference_mode()
 def generate(
-    model: LlamaModel,
+    model: TargetModel,
     prompts: list[list[int]],
     max_new_tokens: int,
     eos_ids: Sequence[int],

@@ -146,6 +146,11 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    def shifted(self, n: int) -> KVCache:
+        """The same storage with every row `n` entries longer: a draft's chained step writes
+        past the committed entries and sees the ones before it, without committing them."""
+        return KVCache(self.k, self.v, self.lengths + n)
+
     def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, new] the next `new` tokens take, and the attention mask for them.
 

@@ -47,15 +47,6 @@ def read_tensors(model_dir: str | Path, names: list[str]) -> dict[str, torch.Ten
     return out
 
 
-def frozen_target_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Embeddings, final norm and lm_head (the embeddings again when tied): what a head shares."""
-    cfg = read_config(model_dir)
-    names = [EMBED, FINAL_NORM] + ([] if cfg.tie_word_embeddings else [LM_HEAD])
-    out = read_tensors(model_dir, names)
-    out.setdefault(LM_HEAD, out[EMBED])
-    return out
-
-
 def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """Hugging Face Llama names → this model's names, fusing q|k|v and gate|up."""
     out = {

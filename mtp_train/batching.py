@@ -12,7 +12,12 @@ of a resumed run is just its step number, and N processes split the same global 
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -32,17 +37,45 @@ class DraftBatch:
     tokens: int  # stored tokens in the micro-batch
 
     def to(self, device, dtype) -> DraftBatch:
-        seg = Segments(self.segments.cu_seqlens.to(device), self.segments.max_len)
+        # Copied first, cast on the device: from pinned memory the copy is asynchronous.
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        seg = Segments(move(self.segments.cu_seqlens), self.segments.max_len)
         return DraftBatch(
-            self.hidden.to(device, dtype),
-            self.token_ids.to(device),
-            self.positions.to(device),
+            move(self.hidden).to(dtype),
+            move(self.token_ids),
+            move(self.positions),
             seg,
-            self.target_hidden.to(device, dtype),
-            self.target_index.to(device),
-            self.valid.to(device),
+            move(self.target_hidden).to(dtype),
+            move(self.target_index),
+            move(self.valid),
             self.tokens,
         )
+
+    def pin_memory(self) -> DraftBatch:
+        pinned = {
+            name: getattr(self, name).pin_memory()
+            for name in ("hidden", "token_ids", "positions", "target_hidden", "target_index", "valid")
+        }
+        seg = Segments(self.segments.cu_seqlens.pin_memory(), self.segments.max_len)
+        return DraftBatch(**pinned, segments=seg, tokens=self.tokens)
+
+
+Key = TypeVar("Key")
+Item = TypeVar("Item")
+
+
+def prefetched(load: Callable[[Key], Item], keys: Iterable[Key], depth: int = 2) -> Iterator[Item]:
+    """load(key) for each key in order, computed up to `depth` keys ahead on a background thread,
+    so that building the next micro-batch (store reads, collate, pinning) overlaps the GPU step."""
+    keys = iter(keys)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = deque(pool.submit(load, key) for key in islice(keys, depth))
+        while pending:
+            item = pending.popleft().result()
+            pending.extend(pool.submit(load, key) for key in islice(keys, 1))
+            yield item
 
 
 def align_sample(input_ids, loss_mask, offset: int, steps: int):

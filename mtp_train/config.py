@@ -16,7 +16,8 @@ class ModelConfig:
     name: str = MISSING
     """Recipe name; also names the run directory."""
     target: str = MISSING
-    """Target checkpoint: a Hugging Face directory, a `.gguf` file, or `smollm2-135m-instruct` (demo)."""
+    """Target checkpoint: a Hugging Face directory (Llama or DeepSeek-V2, by its config.json's
+    `model_type`), a Llama `.gguf` file, or `smollm2-135m-instruct` (demo)."""
     variant: str = "rmsnorm-restored"
     """Head architecture: `rmsnorm-restored` (default) or `eagle1` (the EAGLE paper's head, for ablations)."""
     dtype: str = "auto"

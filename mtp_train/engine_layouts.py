@@ -132,7 +132,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# DeepSeek MTP (DeepSeek-V2/V3 kind targets; there is no DeepSeek target in the repo yet).
+# DeepSeek MTP (DeepSeek-V2/V3 kind targets).
 # Read from vLLM vllm/model_executor/models/deepseek_mtp.py @ 03356f8cb59ba27f3d0ce8866d7516b5e32cff65
 # (`DeepSeekMultiTokenPredictorLayer`, `DeepSeekMTP.load_weights`, `_rewrite_spec_layer_name`): the MTP
 # layer is `model.layers.{N}` with N = config.num_hidden_layers; `enorm`, `hnorm`, `eh_proj`
@@ -143,7 +143,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # own checkpoints also carry them under layer N, so they are written when `store_shared`.
 # SGLang python/sglang/srt/models/deepseek_nextn.py @ c28bdc9012d29bed6b96688a44d6788157ef3d86 reads the
 # same names through DeepseekV2ForCausalLM.load_weights(is_nextn=True), whose layer index is
-# `0 if num_hidden_layers == 1 else num_hidden_layers`; so one directory serves both.
+# `0 if num_hidden_layers == 1 else num_hidden_layers`; so one directory serves both, for a head whose
+# block has the target's MoE. The block's MLP kind: vLLM's DeepseekV2DecoderLayer takes its layer index
+# from the prefix (N) and builds a MoE only if `N >= first_k_dense_replace` (and N % moe_layer_freq == 0),
+# else a dense DeepseekV2MLP of `intermediate_size`; so a head with a dense MLP (this project's default)
+# is exported with `first_k_dense_replace = N + 1`. SGLang's DeepseekV2DecoderLayer makes every NextN
+# layer sparse (`_is_layer_sparse` returns True for is_nextn): it cannot load a dense-MLP head.
 DEEPSEEK_MTP_OWN: Symbolic = {
     "enorm.weight": ("H",),
     "hnorm.weight": ("H",),
@@ -216,11 +221,21 @@ def deepseek_is_moe(hf: Mapping, layer: int) -> bool:
     )
 
 
+def deepseek_attention_symbolic(hf: Mapping) -> Symbolic:
+    """A DeepSeek decoder layer's attention and norms."""
+    return {**(DEEPSEEK_Q_LORA if hf.get("q_lora_rank") else DEEPSEEK_Q_FULL), **DEEPSEEK_KV_O}
+
+
+def deepseek_dense_block(hf: Mapping) -> Symbolic:
+    """A DeepSeek decoder layer with a dense MLP (a DeepSeek-kind head's layer)."""
+    return {**deepseek_attention_symbolic(hf), **DEEPSEEK_DENSE_MLP}
+
+
 def deepseek_layer_symbolic(hf: Mapping, layer: int) -> Symbolic:
     """Names and symbolic shapes of one DeepSeek decoder layer (relative to `model.layers.{layer}.`)."""
-    table = {**(DEEPSEEK_Q_LORA if hf.get("q_lora_rank") else DEEPSEEK_Q_FULL), **DEEPSEEK_KV_O}
     if not deepseek_is_moe(hf, layer):
-        return {**table, **DEEPSEEK_DENSE_MLP}
+        return deepseek_dense_block(hf)
+    table = deepseek_attention_symbolic(hf)
     table.update({k: v for k, v in DEEPSEEK_MOE.items() if "shared" not in k or hf.get("n_shared_experts")})
     if hf.get("topk_method") == "noaux_tc":
         table.update(DEEPSEEK_NOAUX)
@@ -273,22 +288,26 @@ def deepseek_mtp_export(
     if variant != "rmsnorm-restored":
         raise LayoutUnsupported(f"layout deepseek_mtp: needs enorm/hnorm/norm, which a {variant} head lacks")
     store_shared = "lm_head.weight" in tensors
+    config = deepseek_mtp_config(layer_config, dense_mlp="layer.mlp.gate_proj.weight" in tensors)
     out = to_deepseek_mtp(tensors, layer_config["num_hidden_layers"])
-    return EngineExport(
-        out, deepseek_mtp_config(layer_config), deepseek_mtp_table(layer_config, store_shared)
-    )
+    return EngineExport(out, config, deepseek_mtp_table(config, store_shared))
 
 
-def deepseek_mtp_config(hf: Mapping) -> dict:
+def deepseek_mtp_config(hf: Mapping, dense_mlp: bool) -> dict:
     """The target's config with one next-n layer. vLLM turns model_type deepseek_v3 into its
     DeepSeekMTPModel; SGLang turns a draft's DeepseekV3ForCausalLM into DeepseekV3ForCausalLMNextN.
-    A V2 target keeps its own routing fields (topk_method, scoring_func), which both read."""
-    return {
+    A V2 target keeps its own routing fields (topk_method, scoring_func), which both read. A head
+    with a dense MLP moves `first_k_dense_replace` past its layer N, so vLLM builds that MLP dense."""
+    config = {
         **hf,
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
         "num_nextn_predict_layers": 1,
     }
+    if dense_mlp:
+        n = hf["num_hidden_layers"]
+        config["first_k_dense_replace"] = max(hf.get("first_k_dense_replace") or 0, n + 1)
+    return config
 
 
 Exporter = Callable[[Mapping[str, torch.Tensor], dict, str], EngineExport]

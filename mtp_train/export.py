@@ -25,14 +25,23 @@ import hydra
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference_ref.config import LlamaConfig, read_config
-from inference_ref.loading import frozen_target_tensors
+from inference_ref.target import TargetConfig, frozen_target_tensors, read_target_config
 from mtp_train.config import RunConfig  # noqa: F401  (registers the schema Hydra composes)
-from mtp_train.engine_layouts import LAYOUTS, Symbolic, check_layout, llama_dims, resolve
+from mtp_train.engine_layouts import (
+    LAYOUTS,
+    LLAMA_BLOCK,
+    Symbolic,
+    check_layout,
+    deepseek_dense_block,
+    deepseek_dims,
+    llama_dims,
+    resolve,
+)
 from mtp_train.heads import HeadConfig, MTPHead
 from mtp_train.targets import check_same_target, resolve_target, target_identity
 
-FORMAT, FORMAT_VERSION, ARCHITECTURE = "mtp-train-head", 1, "LlamaMTPHead"
+FORMAT, FORMAT_VERSION = "mtp-train-head", 1
+ARCHITECTURES = {"llama": "LlamaMTPHead", "deepseek_v2": "DeepseekV2MTPHead"}  # by target kind
 WEIGHTS, CONFIG = "head.safetensors", "config.json"
 ENGINE_WEIGHTS = "model.safetensors"  # engines read every *.safetensors of the draft directory
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -40,34 +49,39 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # Native names of the shared tensors → the MTPHead buffers that hold the target's copies.
 SHARED = {"embed_tokens.weight": "embed_weight", "lm_head.weight": "lm_head_weight"}
 
-# The native tables: exactly MTPHead's state_dict, per variant.
-NATIVE_LAYER: Symbolic = {
-    "layer.self_attn.q_proj.weight": ("QD", "H"),
-    "layer.self_attn.k_proj.weight": ("KVD", "H"),
-    "layer.self_attn.v_proj.weight": ("KVD", "H"),
-    "layer.self_attn.o_proj.weight": ("H", "QD"),
-    "layer.post_attention_layernorm.weight": ("H",),
-    "layer.mlp.gate_proj.weight": ("I", "H"),
-    "layer.mlp.up_proj.weight": ("I", "H"),
-    "layer.mlp.down_proj.weight": ("H", "I"),
-}
-NATIVE: dict[str, Symbolic] = {
+# The native tables: exactly MTPHead's state_dict. The head's own tensors per variant, and its
+# decoder layer under `layer.` with the checkpoint names of the target's kind (without the
+# input_layernorm, which only the rmsnorm-restored variant has).
+NATIVE_OWN: dict[str, Symbolic] = {
     "rmsnorm-restored": {
         "enorm.weight": ("H",),
         "hnorm.weight": ("H",),
         "fc.weight": ("H", "2H"),
         "layer.input_layernorm.weight": ("H",),
-        **NATIVE_LAYER,
         "norm.weight": ("H",),
     },
-    "eagle1": {"fc.weight": ("H", "2H"), "fc.bias": ("H",), **NATIVE_LAYER},
+    "eagle1": {"fc.weight": ("H", "2H"), "fc.bias": ("H",)},
 }
 NATIVE_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "lm_head.weight": ("V", "H")}
 
 
+def native_layer(target: TargetConfig) -> tuple[Symbolic, dict[str, int]]:
+    """The decoder layer's names (under `layer.`) and shape symbols for a target of this kind."""
+    if target.model_type == "deepseek_v2":
+        hf = target.to_hf()
+        block = {n: s for n, s in deepseek_dense_block(hf).items() if n != "input_layernorm.weight"}
+        return block, deepseek_dims(hf)
+    return LLAMA_BLOCK, llama_dims(target)
+
+
 def native_table(cfg: HeadConfig, store_shared: bool) -> dict[str, tuple[int, ...]]:
-    symbolic = {**NATIVE[cfg.variant], **(NATIVE_SHARED if store_shared else {})}
-    return resolve(symbolic, llama_dims(cfg.target))
+    block, dims = native_layer(cfg.target)
+    symbolic = {
+        **NATIVE_OWN[cfg.variant],
+        **{f"layer.{name}": shape for name, shape in block.items()},
+        **(NATIVE_SHARED if store_shared else {}),
+    }
+    return resolve(symbolic, dims)
 
 
 # ---------------------------------------------------------------------------------------------- write
@@ -102,7 +116,7 @@ def head_config(
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "architecture": ARCHITECTURE,
+        "architecture": ARCHITECTURES[head.cfg.kind],
         "variant": head.cfg.variant,
         "dtype": str(dtype).removeprefix("torch."),
         "hidden_size": t.hidden_size,
@@ -195,8 +209,14 @@ def read_head_config(head_dir: str | Path) -> dict:
     return config
 
 
-def check_head_matches_target(config: dict, head_dir: Path, target: LlamaConfig, identity: dict) -> None:
-    """Refuse a head made for another target: sizes first (the clearest message), then identity."""
+def check_head_matches_target(config: dict, head_dir: Path, target: TargetConfig, identity: dict) -> None:
+    """Refuse a head made for another target: kind and sizes first (the clearest messages), then identity."""
+    kind = config["layer_config"].get("model_type")
+    if kind != target.model_type:
+        raise ValueError(
+            f"head {head_dir} is a {config['architecture']} for a {kind} target, but the target "
+            f"{identity['path']} is {target.model_type}: it was trained for another kind of target"
+        )
     for key in ("hidden_size", "vocab_size"):
         if config[key] != getattr(target, key):
             raise ValueError(
@@ -214,7 +234,7 @@ def load_head(head_dir: str | Path, target_dir: str | Path) -> MTPHead:
 
 def _load_head(head_dir: Path, target_dir: Path, identity: dict) -> MTPHead:
     config = read_head_config(head_dir)
-    target = read_config(target_dir)
+    target = read_target_config(target_dir)
     check_head_matches_target(config, head_dir, target, identity)
     head = MTPHead(HeadConfig(config["variant"], target), frozen_target_tensors(target_dir))
     tensors = load_file(str(head_dir / WEIGHTS))

@@ -7,6 +7,10 @@ eagle1 (ablation, the EAGLE paper's head):
     f = final_norm(h);  x = fc([embed(t_{i+1}); f_i]) with bias
     y = layer(x) without input_layernorm;  z = y;  logits = lm_head(y)
 
+`layer` is one decoder layer of the target's kind: Llama attention, or for a DeepSeek-V2 target
+multi-head latent attention (MLA) with the target's dimensions and a dense SwiGLU MLP of the
+target's `intermediate_size` (the width of its dense layers), under the DeepSeek checkpoint's names.
+
 The embeddings, final norm and lm_head are the target's, frozen, and held as buffers so they
 are in no optimizer and no checkpoint. Parameter names are the native export format's.
 """
@@ -19,9 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference_ref import deepseek_v2 as ds
 from inference_ref.config import LlamaConfig
 from inference_ref.llama import RMSNorm, Rotary, apply_rotary, rms_norm
-from mtp_train.head_attention import head_attention
+from inference_ref.target import TargetConfig
+from mtp_train.head_attention import Segments, head_attention
 
 VARIANTS = ("rmsnorm-restored", "eagle1")
 
@@ -30,8 +36,8 @@ VARIANTS = ("rmsnorm-restored", "eagle1")
 class HeadConfig:
     variant: str
     """`rmsnorm-restored` or `eagle1`."""
-    target: LlamaConfig
-    """The target's config: the head's layer is one layer of this shape."""
+    target: TargetConfig
+    """The target's config: the head's layer is one layer of this shape and kind."""
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -40,6 +46,11 @@ class HeadConfig:
     @property
     def restored(self) -> bool:
         return self.variant == "rmsnorm-restored"
+
+    @property
+    def kind(self) -> str:
+        """The target's kind (`llama`, `deepseek_v2`), which is the head's layer's kind."""
+        return self.target.model_type
 
 
 class HeadAttention(nn.Module):
@@ -54,17 +65,64 @@ class HeadAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.rotary = Rotary(cfg)
 
-    def forward(self, x, cos, sin, batch, kv: list) -> torch.Tensor:
-        """x [T, H] of one chained step; `kv` holds the (k, v) of earlier steps and gets this one's."""
+    def forward(self, x, positions, batch: Segments, kv: list) -> torch.Tensor:
+        """x [T, H] of one chained step at rope `positions` [T]; `kv` holds the (k, v) of earlier
+        steps and gets this one's."""
+        cos, sin = self.rotary(positions, x.dtype)
         q = apply_rotary(self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
         k = apply_rotary(self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim)), cos, sin)
         kv.append((k, self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))))
         return self.o_proj(head_attention(q, kv, batch).flatten(-2))
 
 
+class LatentHeadAttention(nn.Module):
+    """MLA as DeepSeek-V2 runs it on a prefill: the latent up-projected to per-head keys and values
+    (the serving draft attends in the latent space instead, through its latent cache)."""
+
+    def __init__(self, cfg: ds.DeepseekV2Config):
+        super().__init__()
+        self.cfg, n, h = cfg, cfg.num_attention_heads, cfg.hidden_size
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, ds.LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, n * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, n * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, ds.LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(n * cfg.v_head_dim, h, bias=False)
+        self.rotary = ds.Rotary(cfg)
+        # head_attention scales scores by 1/sqrt(q's width): YaRN's mscale² goes into q instead.
+        self.q_scale = ds.softmax_scale(cfg) * cfg.qk_head_dim**0.5
+
+    def forward(self, x, positions, batch: Segments, kv: list) -> torch.Tensor:
+        """As `HeadAttention.forward`. Keys are [nope | rope] (the rope part shared by all heads);
+        values are zero-padded to the key width, as the packed kernels take one head size."""
+        c, n = self.cfg, self.cfg.num_attention_heads
+        cos, sin = self.rotary(positions)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if c.q_lora_rank else self.q_proj(x)
+        q_nope, q_rope = q.unflatten(-1, (n, c.qk_head_dim)).split(
+            [c.qk_nope_head_dim, c.qk_rope_head_dim], -1
+        )
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        kv_b = self.kv_b_proj(self.kv_a_layernorm(latent)).unflatten(-1, (n, -1))
+        k_nope, v = kv_b.split([c.qk_nope_head_dim, c.v_head_dim], -1)
+        k_rope = ds.apply_rotary(k_rope.unsqueeze(-2), cos, sin).expand(-1, n, -1)
+        q = torch.cat([q_nope, ds.apply_rotary(q_rope, cos, sin)], -1) * self.q_scale
+        kv.append((torch.cat([k_nope, k_rope], -1), F.pad(v, (0, c.qk_head_dim - c.v_head_dim))))
+        o = head_attention(q, kv, batch)[..., : c.v_head_dim]
+        return self.o_proj(o.flatten(-2))
+
+
+# The head's attention for each target kind.
+ATTENTION = {"llama": HeadAttention, "deepseek_v2": LatentHeadAttention}
+
+
 class HeadMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -77,15 +135,15 @@ class HeadMLP(nn.Module):
 class HeadLayer(nn.Module):
     """One decoder layer of the target's kind; eagle1 drops the input norm."""
 
-    def __init__(self, cfg: LlamaConfig, input_norm: bool):
+    def __init__(self, cfg: TargetConfig, input_norm: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
-        self.self_attn = HeadAttention(cfg)
+        self.self_attn = ATTENTION[cfg.model_type](cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = HeadMLP(cfg)
 
-    def forward(self, x, cos, sin, batch, kv: list):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
+    def forward(self, x, positions, batch: Segments, kv: list):
+        x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -101,7 +159,6 @@ class MTPHead(nn.Module):
             self.norm = RMSNorm(h, t.rms_norm_eps)
         self.fc = nn.Linear(2 * h, h, bias=not cfg.restored)
         self.layer = HeadLayer(t, input_norm=cfg.restored)
-        self.rotary = Rotary(t)
         self.register_buffer("embed_weight", frozen["model.embed_tokens.weight"], persistent=False)
         self.register_buffer("final_norm_weight", frozen["model.norm.weight"], persistent=False)
         self.register_buffer("lm_head_weight", frozen["lm_head.weight"], persistent=False)
@@ -148,8 +205,7 @@ class MTPHead(nn.Module):
         kv, ys, state = [], [], hidden
         for j in range(steps):
             x = self.project(state, token_ids[j], first=(j == 0))
-            cos, sin = self.rotary(positions + j, x.dtype)
-            state = self.layer(x, cos, sin, batch, kv)
+            state = self.layer(x, positions + j, batch, kv)
             ys.append(state)
         return torch.stack(ys)
 

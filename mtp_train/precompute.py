@@ -35,9 +35,8 @@ from accelerate.utils import parse_flag_from_env
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from inference_ref.config import read_config
-from inference_ref.llama import LlamaModel, cu_seqlens_of
-from inference_ref.loading import load_llama
+from inference_ref.llama import cu_seqlens_of
+from inference_ref.target import TargetModel, load_target, read_target_config
 from mtp_train import config as _config  # noqa: F401  (registers the Hydra schema)
 from mtp_train.data import Sample, load_samples
 from mtp_train.store import (
@@ -124,7 +123,7 @@ def prepare(cfg, rank: int, world: int) -> RankJob:
 
 def run_header(cfg, target_dir: Path, samples: list[Sample], counts: dict, world: int) -> dict:
     """The manifest fields fixed before any compute."""
-    hidden_size = read_config(target_dir).hidden_size
+    hidden_size = read_target_config(target_dir).hidden_size
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -232,12 +231,12 @@ def precompute_rank(job: RankJob, device) -> None:
         print(f"precompute rank {job.rank}: resuming, {len(done)} samples stored, {len(todo)} to go")
     if todo:
         device = torch.device(device)
-        model = load_llama(job.target_dir, device, model_dtype(job.model_dtype, device))
+        model = load_target(job.target_dir, device, model_dtype(job.model_dtype, device))
         write_hidden_states(model, job, todo, writer)
     writer.finish()
 
 
-def write_hidden_states(model: LlamaModel, job: RankJob, todo: list[int], writer: ShardWriter) -> None:
+def write_hidden_states(model: TargetModel, job: RankJob, todo: list[int], writer: ShardWriter) -> None:
     lengths = {k: len(job.samples[k].input_ids) for k in todo}
     total = sum(lengths.values())
     # tqdm's rate and ETA are in tokens; one bar (rank 0) stands for all ranks, which run in step.
@@ -297,7 +296,7 @@ class HostBatch:
             )
 
 
-def forward_batch(model: LlamaModel, samples: list[Sample], ids: list[int], hidden_dtype: str) -> HostBatch:
+def forward_batch(model: TargetModel, samples: list[Sample], ids: list[int], hidden_dtype: str) -> HostBatch:
     """Run one packed batch and start copying its (encoded) hidden states to pinned host memory."""
     device = model.embed_tokens.weight.device
     lengths = [len(samples[k].input_ids) for k in ids]

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from inference_ref.generate import generate
-from inference_ref.loading import load_llama
+from inference_ref.target import load_target
 from mtp_train.config import RegenerateConfig
 from mtp_train.data import Message, Prompt, load_prompts, prompt_ids
 from mtp_train.targets import default_device, model_dtype, resolve_target
@@ -117,7 +117,7 @@ def regenerate(rcfg: RegenerateConfig, target_dir: str | Path, device="cpu", dty
     todo = pending(prompts, written_ids(out), tokenizer, rcfg.max_prompt_tokens, counts)
     # Sampled answers are reproducible for one uninterrupted run; a resumed run draws anew.
     generator = torch.Generator(device=device).manual_seed(rcfg.seed)
-    answerer = Answerer(load_llama(target_dir, device, dtype), tokenizer, rcfg, generator)
+    answerer = Answerer(load_target(target_dir, device, dtype), tokenizer, rcfg, generator)
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with out.open("a", encoding="utf-8") as f, tqdm(total=len(todo), unit="conv", desc="regenerate") as bar:

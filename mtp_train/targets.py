@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from inference_ref.config import LlamaConfig, read_config
+from inference_ref import deepseek_v2 as ds
+from inference_ref.deepseek_v2 import DeepseekV2Config, YarnScaling
 from inference_ref.gguf import convert_gguf
 from inference_ref.loading import hf_state_dict, random_llama
+from inference_ref.target import CONFIGS, TargetConfig, read_target_config
 from mtp_train.demo_target import cache_dir, smollm2_dir
 
 DEMO_TARGET = "smollm2-135m-instruct"
@@ -65,7 +67,7 @@ def target_identity(model_dir: str | Path) -> dict:
     template = tok.chat_template or ""
     return {
         "path": str(model_dir.resolve()),
-        "config_hash": read_config(model_dir).fingerprint(),
+        "config_hash": read_target_config(model_dir).fingerprint(),
         "weights_hash": weights_hash(model_dir),
         "tokenizer_hash": _file_hash(model_dir / "tokenizer.json"),
         "chat_template_hash": hashlib.sha256(template.encode()).hexdigest()[:16],
@@ -82,33 +84,63 @@ def check_same_target(expected: dict, found: dict, what: str) -> None:
             )
 
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
-)
+TINY = {
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
+    # V2-Lite's structure shrunk: full-rank q, a dense layer 0 then MoE, untied lm_head, and YaRN
+    # with mscale ≠ mscale_all_dim so both its factors (on cos/sin and on the softmax) are ≠ 1.
+    "deepseek_v2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        max_position_embeddings=4096,
+        rope_scaling=YarnScaling(4.0, 1024, mscale=1.0, mscale_all_dim=0.707),
+    ),
+}
 
 
-def write_random_target(out_dir: str | Path, tokenizer_dir: str | Path, seed: int = 0, **shape) -> Path:
-    """A tiny random Llama target sharing a real tokenizer: the debug model for CPU runs and tests."""
+def random_hf_weights(cfg: TargetConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights of `cfg`'s kind under Hugging Face names."""
+    if isinstance(cfg, DeepseekV2Config):
+        return ds.hf_state_dict(ds.random_deepseek_v2(cfg, seed=seed))
+    return hf_state_dict(random_llama(cfg, seed=seed))
+
+
+def write_random_target(
+    out_dir: str | Path, tokenizer_dir: str | Path, seed: int = 0, kind: str = "llama", **shape
+) -> Path:
+    """A tiny random target of `kind` (`llama`, `deepseek_v2`) sharing a real tokenizer: the debug
+    model for CPU runs and tests."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = read_config(tokenizer_dir)
-    cfg = LlamaConfig(
+    base = read_target_config(tokenizer_dir)
+    cfg = CONFIGS[kind](
         vocab_size=base.vocab_size,
         bos_token_id=base.bos_token_id,
         eos_token_ids=base.eos_token_ids,
-        **{**TINY, **shape},
+        **{**TINY[kind], **shape},
     )
-    model = random_llama(cfg, seed=seed)
-    save_file(hf_state_dict(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(random_hf_weights(cfg, seed), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
         src = Path(tokenizer_dir) / name
         if src.exists():

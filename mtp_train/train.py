@@ -20,8 +20,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from inference_ref.config import read_config
-from inference_ref.loading import frozen_target_tensors
+from inference_ref.target import frozen_target_tensors, read_target_config
 from mtp_train import checkpoint
 from mtp_train.batching import DraftBatch, MicroBatchPlan, collate
 from mtp_train.config import RunConfig
@@ -36,7 +35,7 @@ from mtp_train.validate import DuringTraining
 def build_head(variant: str, target_dir: Path, frozen_dtype: torch.dtype) -> MTPHead:
     """A fresh head on the target's frozen embeddings, final norm and lm_head (read by name only)."""
     frozen = {k: v.to(frozen_dtype) for k, v in frozen_target_tensors(target_dir).items()}
-    return MTPHead(HeadConfig(variant, read_config(target_dir)), frozen)
+    return MTPHead(HeadConfig(variant, read_target_config(target_dir)), frozen)
 
 
 def check_store(store: Store, head: MTPHead, identity: dict) -> None:

@@ -21,11 +21,11 @@ import hydra
 import torch
 from transformers import AutoTokenizer
 
-from inference_ref.draft import MTPDraft, load_draft
+from inference_ref.draft import MTPDraft, check_head_fits_target, load_draft
 from inference_ref.generate import generate, prefill
-from inference_ref.llama import LlamaModel, cu_seqlens_of
-from inference_ref.loading import load_llama
+from inference_ref.llama import cu_seqlens_of
 from inference_ref.speculative import SpecStats, speculative_generate
+from inference_ref.target import TargetModel, load_target, read_target_config
 from mtp_train.batching import align_sample, collate
 from mtp_train.config import RunConfig
 from mtp_train.data import Conversation, Prompt, Sample, encode, load_prompts, prompt_ids
@@ -39,7 +39,7 @@ from mtp_train.targets import check_same_target, default_device, model_dtype, re
 class Evaluator:
     """Target, draft and tokenizer loaded once, for the validation passes."""
 
-    target: LlamaModel
+    target: TargetModel
     draft: MTPDraft
     tokenizer: object
     eos: list[int]
@@ -47,8 +47,9 @@ class Evaluator:
     @classmethod
     def load(cls, target_dir: Path, head_dir: Path, device, dtype) -> Evaluator:
         config = json.loads((Path(head_dir) / "config.json").read_text())
+        check_head_fits_target(config, read_target_config(target_dir))  # before loading the target
         check_same_target(target_identity(target_dir), config["target"], f"head {head_dir}")
-        target = load_llama(target_dir, device, dtype)
+        target = load_target(target_dir, device, dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
         return cls(target, load_draft(head_dir, target), tokenizer, eos)
@@ -132,7 +133,7 @@ def target_only_pass(ev: Evaluator, prompts, vc):
 # --- teacher-forced loss, twice -----------------------------------------------------------------
 
 
-def trainer_path(head: MTPHead, target: LlamaModel, samples: list[Sample], store_dtype, chunk_logits: int):
+def trainer_path(head: MTPHead, target: TargetModel, samples: list[Sample], store_dtype, chunk_logits: int):
     """CE and top-1 by the training module on packed-forward states rounded to the store's dtype."""
     objective = DraftObjective(head, LossWeights(1.0, 0.0), chunk_logits, 1.0)
     ce = top1 = count = 0.0

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import mtp_train.export as ex
 from inference_ref.config import LlamaConfig, read_config
-from inference_ref.loading import frozen_target_tensors
+from inference_ref.target import frozen_target_tensors
 from mtp_train.config import RunConfig
 from mtp_train.engine_layouts import (
     EAGLE1_SGLANG,
@@ -291,7 +291,8 @@ DEEPSEEK = dict(
 
 
 def synthetic_deepseek_head(hf: dict, store_shared: bool = False) -> dict[str, torch.Tensor]:
-    """What a future DeepSeek-kind rmsnorm-restored head's state dict holds: `layer.` + DeepSeek names."""
+    """A DeepSeek-kind rmsnorm-restored head's state dict with the block of the target's layer N
+    (MoE unless the config makes it dense): `layer.` + DeepSeek names."""
     h, v = hf["hidden_size"], hf["vocab_size"]
     block = resolve(deepseek_layer_symbolic(hf, hf["num_hidden_layers"]), deepseek_dims(hf))
     sd = {f"layer.{n}": torch.randn(s) for n, s in block.items()}

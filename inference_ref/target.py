@@ -1,0 +1,80 @@
+"""A target of any supported kind, chosen by its `config.json`'s `model_type`.
+
+Every kind has a config with `from_hf` / `to_hf` / `fingerprint` and a model with the interface
+below (`forward_packed`, `new_cache`, `forward_cached`, `logits`; embeddings, final norm and
+lm_head under the same attribute names), so precompute, generation, the speculative loop and
+validation run any of them unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from inference_ref.config import LlamaConfig
+from inference_ref.deepseek_v2 import DeepseekV2Config, LatentCache, load_deepseek_v2
+from inference_ref.llama import KVCache
+from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, load_llama, read_tensors
+
+TargetConfig = LlamaConfig | DeepseekV2Config
+Cache = KVCache | LatentCache
+
+CONFIGS: dict[str, type[TargetConfig]] = {"llama": LlamaConfig, "deepseek_v2": DeepseekV2Config}
+LOADERS = {"llama": load_llama, "deepseek_v2": load_deepseek_v2}
+
+
+class TargetModel(Protocol):
+    """What the pipeline uses of a target (`LlamaModel`, `DeepseekV2Model`)."""
+
+    cfg: TargetConfig
+    embed_tokens: nn.Embedding
+    norm: nn.Module
+    lm_head: nn.Linear
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_packed(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, logits_at: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def new_cache(self, batch: int, max_len: int) -> Cache: ...
+
+    def forward_cached(self, input_ids: torch.Tensor, cache: Cache, static: bool = False) -> torch.Tensor: ...
+
+
+def target_kind(hf: dict) -> str:
+    """The kind of a Hugging Face config dict, refusing the ones this project does not run."""
+    kind = hf.get("model_type")
+    if kind not in CONFIGS:
+        raise ValueError(f"config.json: model_type {kind!r} is not supported ({', '.join(CONFIGS)})")
+    return kind
+
+
+def config_from_hf(hf: dict) -> TargetConfig:
+    return CONFIGS[target_kind(hf)].from_hf(hf)
+
+
+def read_target_config(path: str | Path) -> TargetConfig:
+    """The config of the checkpoint directory at `path`, of its own kind."""
+    return config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+
+def load_target(path: str | Path, device="cpu", dtype=torch.float32) -> TargetModel:
+    """Load a target from a Hugging Face directory (any kind) or a Llama `.gguf` file."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return load_llama(path, device, dtype)
+    return LOADERS[read_target_config(path).model_type](path, device, dtype)
+
+
+def frozen_target_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Embeddings, final norm and lm_head (the embeddings again when tied): what a head shares."""
+    cfg = read_target_config(model_dir)
+    names = [EMBED, FINAL_NORM] + ([] if cfg.tie_word_embeddings else [LM_HEAD])
+    out = read_tensors(model_dir, names)
+    out.setdefault(LM_HEAD, out[EMBED])
+    return out

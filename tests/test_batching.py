@@ -1,0 +1,41 @@
+"""The micro-batch prefetcher keeps order, runs ahead, and surfaces a loader's error."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from mtp_train.batching import prefetched
+
+
+def test_prefetched_keeps_order_and_loads_ahead_on_another_thread():
+    started: list[int] = []
+    threads: set[int] = set()
+
+    def load(key: int) -> int:
+        started.append(key)
+        threads.add(threading.get_ident())
+        return key * key
+
+    out = []
+    for item in prefetched(load, range(6), depth=2):
+        time.sleep(0.05)  # the "GPU step": by now the next key has been started
+        out.append(item)
+        assert len(started) >= min(6, len(out) + 1)
+    assert out == [k * k for k in range(6)]
+    assert threading.get_ident() not in threads
+
+
+def test_prefetched_raises_the_loaders_error_at_its_item():
+    def load(key: int) -> int:
+        if key == 3:
+            raise ValueError("shard 7 is corrupted")
+        return key
+
+    got = []
+    with pytest.raises(ValueError, match="shard 7"):
+        for item in prefetched(load, range(6)):
+            got.append(item)
+    assert got == [0, 1, 2]

@@ -1,0 +1,256 @@
+"""The DeepSeek-kind head (an MLA layer) on DeepSeek-V2 targets: the training module against the
+serving draft, the speculative loop against the target alone, the whole pipeline on a tiny random
+DeepSeek-V2, and heads refused by a target of the other kind."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+import mtp_train.export as ex
+from inference_ref import deepseek_v2 as ds
+from inference_ref.deepseek_v2 import DeepseekV2Config, DeepseekV2Model
+from inference_ref.draft import MTPDraft, load_draft
+from inference_ref.generate import at_positions, generate
+from inference_ref.llama import cu_seqlens_of, packed_positions
+from inference_ref.speculative import speculative_generate
+from inference_ref.target import frozen_target_tensors, load_target, read_target_config
+from mtp_train.engine_layouts import check_layout, deepseek_mtp_table
+from mtp_train.export import export
+from mtp_train.head_attention import Segments
+from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.precompute import run_precompute
+from mtp_train.targets import TINY, target_identity, write_random_target
+from mtp_train.train import train
+from mtp_train.validate import run_validation
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = ["rmsnorm-restored", "eagle1"]
+CONFIGS = {
+    "lite": DeepseekV2Config(vocab_size=256, **TINY["deepseek_v2"]),
+    "q-lora": DeepseekV2Config(vocab_size=256, **TINY["deepseek_v2"], q_lora_rank=24),
+}
+
+
+def frozen_of(target: DeepseekV2Model) -> dict[str, torch.Tensor]:
+    return {
+        "model.embed_tokens.weight": target.embed_tokens.weight.clone(),
+        "model.norm.weight": target.norm.weight.clone(),
+        "lm_head.weight": target.lm_head.weight.clone(),
+    }
+
+
+def random_head(target: DeepseekV2Model, variant: str, seed: int = 0, scale: float = 0.1) -> MTPHead:
+    """Every trainable tensor random (norms around 1), so each part of the math shows in the output."""
+    torch.manual_seed(seed)
+    head = MTPHead(HeadConfig(variant, target.cfg), frozen_of(target))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
+    return head
+
+
+def serve(head: MTPHead, target: DeepseekV2Model, tmp_path: Path) -> MTPDraft:
+    """Through the native format: the trainer's writer, the server's reader."""
+    identity = {"path": "", "config_hash": target.cfg.fingerprint()}
+    return load_draft(ex.save_head(head, tmp_path / "head", identity, {}, torch.float32), target)
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+# ---------------------------------------------------------------- train/serve parity of the head
+
+
+@pytest.mark.parametrize("shape", list(CONFIGS))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_teacher_forced_logits_equal_training_head(variant, shape, tmp_path):
+    """Draft prefill (latent cache, absorbed weights) on a batch = MTPHead (per-head K/V, packed), fp32."""
+    target = ds.random_deepseek_v2(CONFIGS[shape], seed=0)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 256, (n,), generator=g) for n in (21, 8, 33)]
+    lengths = [len(s) for s in seqs]
+    cu = cu_seqlens_of(lengths)
+    hidden, _ = target.forward_packed(torch.cat(seqs), cu)
+    next_tokens = torch.cat([torch.cat([s[1:], s[:1]]) for s in seqs])  # last one arbitrary
+    head = random_head(target, variant)
+    with torch.no_grad():
+        ref_y = head(hidden.clone(), next_tokens[None], packed_positions(cu, len(hidden)), Segments(cu, 33))[
+            0
+        ]
+
+    draft = serve(head, target, tmp_path)
+    padded = torch.nn.utils.rnn.pad_sequence
+    y = draft.prefill(
+        padded(list(hidden.split(lengths)), batch_first=True),
+        padded(list(next_tokens.split(lengths)), batch_first=True),
+        draft.new_cache(len(seqs), max(lengths)),
+    )
+    y = torch.cat([y[b, :n] for b, n in enumerate(lengths)])
+    assert rel_err(y, ref_y) <= 1e-4
+    assert rel_err(draft.logits(y), head.logits(head.output_state(ref_y))) <= 1e-4
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chained_steps_equal_training_head(variant, tmp_path):
+    """Chained drafting from several bases at once (shifted latent cache) = MTPHead's unrolled steps."""
+    target = ds.random_deepseek_v2(CONFIGS["lite"], seed=1)
+    steps, n = 3, 16
+    seq = torch.randint(0, 256, (n + steps,), generator=torch.Generator().manual_seed(1))
+    cu = cu_seqlens_of([n])
+    hidden, _ = target.forward_packed(seq[:n], cu)
+    tokens = torch.stack([seq[1 + j : n + 1 + j] for j in range(steps)])
+    head = random_head(target, variant, seed=1)
+    with torch.no_grad():
+        ref_y = head(hidden.clone(), tokens, packed_positions(cu, n), Segments(cu, n), steps)
+        ref_logits = head.logits(head.output_state(ref_y))
+
+    draft = serve(head, target, tmp_path)
+    bases = torch.tensor([0, 3, 9, n - 1])
+    cache = draft.new_cache(len(bases), n + steps)
+    y = draft.prefill(hidden.expand(len(bases), n, -1), tokens[0].expand(len(bases), n), cache)
+    y = at_positions(y, bases)
+    cache.lengths = bases + 1
+    for step in range(1, steps):
+        y = draft.chain(y, tokens[step, bases], cache, step)
+        assert rel_err(y, ref_y[step, bases]) <= 1e-4
+        assert rel_err(draft.logits(y), ref_logits[step, bases]) <= 1e-4
+
+
+# ---------------------------------------------------------------- greedy: identical to the target alone
+
+
+def bigram_pair(tmp_path: Path, context: float = 0.03) -> tuple[DeepseekV2Model, MTPDraft]:
+    """A 64-token DeepSeek-V2 that is mostly a bigram model (large embeddings, small attention and
+    MLP outputs), and a head whose fc passes the token's embedding through: a good, imperfect draft."""
+    shape = {**TINY["deepseek_v2"], "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16}
+    target = ds.random_deepseek_v2(DeepseekV2Config(vocab_size=64, **shape), seed=0)
+    with torch.no_grad():
+        target.embed_tokens.weight.normal_(0, 1.0)
+        target.lm_head.weight.normal_(0, 1.0)
+        for name, p in target.named_parameters():
+            if name.endswith("o_proj.weight") or "down_proj" in name:
+                p.normal_(0, context)
+    torch.manual_seed(1)
+    head = MTPHead(HeadConfig("rmsnorm-restored", target.cfg), frozen_of(target))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.03)
+        head.fc.weight[:, :32] += torch.eye(32)
+    return target, serve(head, target, tmp_path)
+
+
+def test_greedy_speculative_equals_target_alone(tmp_path):
+    """Rows accept different numbers of tokens per step: per-row commits of both latent caches."""
+    target, draft = bigram_pair(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 17, 1, 6, 30)]
+    eos = [5]
+    expected = generate(target, prompts, 32, eos)
+    for k in (1, 3):
+        out = speculative_generate(target, draft, prompts, 32, eos, k)
+        assert out.tokens == expected, k
+        assert out.stats.accept_rate[0] > 0.3 and out.stats.mean_accepted_len > 1.3
+
+
+# ---------------------------------------------------------------- the pipeline on a tiny DeepSeek-V2
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(smollm2, tmp_path_factory):
+    """A 2-layer random DeepSeek-V2 with SmolLM2's tokenizer and chat template."""
+    return write_random_target(tmp_path_factory.mktemp("tiny_deepseek"), smollm2, kind="deepseek_v2")
+
+
+def test_tiny_target_loads_by_kind(tiny_deepseek, tiny_target):
+    assert isinstance(load_target(tiny_deepseek), DeepseekV2Model)
+    assert read_target_config(tiny_target).model_type == "llama"
+    frozen = frozen_target_tensors(tiny_deepseek)  # untied: its own lm_head
+    assert not torch.equal(frozen["lm_head.weight"], frozen["model.embed_tokens.weight"])
+
+
+def test_pipeline_on_a_tiny_deepseek_v2(tiny_deepseek, tmp_path):
+    """precompute → train (2 chained steps) → validate (fp32: greedy identical to the target) →
+    export (native and the DeepSeek MTP layout)."""
+    overrides = [
+        "model=tiny_deepseek_v2",
+        f"model.target={tiny_deepseek}",
+        "model.dtype=float32",
+        f"run_dir={tmp_path}",
+        f"data.train_files=[{REPO / 'tests/data/gsm8k_64.jsonl'}]",
+        "data.max_samples=24",
+        "train.steps=8",
+        "train.unroll_steps=2",
+        "train.lr=3e-3",
+        "train.warmup_steps=1",
+        "train.save_every=0",
+        "logging.log_every=1",
+        f"validate.eval_files=[{REPO / 'data/mt_bench.jsonl'}]",
+        "validate.num_prompts=2",
+        "validate.max_new_tokens=12",
+        "validate.chain_lengths=[2]",
+        "validate.temperatures=[0.0]",
+        "validate.teacher_forced_samples=2",
+        "export.formats=[native,deepseek_mtp]",
+        "export.dtype=float32",
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+        cfg = compose("config", overrides=overrides)
+    run_precompute(cfg)
+    train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    loss = [r["loss"] for r in rows]
+    assert len(loss) == 8 and all(math.isfinite(r["ce"]) and math.isfinite(r["step2/ce"]) for r in rows)
+    assert sum(loss[-2:]) < sum(loss[:2]) - 0.02, loss  # the target is near uniform: SmoothL1 moves most
+
+    report = run_validation(cfg)
+    greedy = report["speculative"]["greedy"]["k=2"]
+    assert greedy["identical_to_target_greedy"] and 1.0 <= greedy["mean_accepted_len"] <= 3.0
+    tf = report["teacher_forced"]
+    assert tf["parity_gap"]["ce"] < 1e-3 * max(1.0, tf["trainer"]["ce"])
+    assert (tmp_path / "validate" / "report.json").exists()
+
+    written = export(cfg)
+    native = json.loads((written["native"] / "config.json").read_text())
+    assert native["architecture"] == "DeepseekV2MTPHead"
+    assert native["layer_config"]["model_type"] == "deepseek_v2"
+    head = load_file(written["native"] / "head.safetensors")
+    tensors = load_file(written["deepseek_mtp"] / "model.safetensors")
+    config = json.loads((written["deepseek_mtp"] / "config.json").read_text())
+    check_layout(tensors, deepseek_mtp_table(config, store_shared=False), "deepseek_mtp")
+    # The head's dense MLP: layer N = 2 must be below first_k_dense_replace for vLLM to build it dense.
+    assert config["num_hidden_layers"] == 2 and config["first_k_dense_replace"] == 3
+    assert tensors["model.layers.2.mlp.gate_proj.weight"].shape == (128, 64)
+    assert torch.equal(tensors["model.layers.2.eh_proj.weight"], head["fc.weight"])
+    assert torch.equal(
+        tensors["model.layers.2.self_attn.kv_b_proj.weight"], head["layer.self_attn.kv_b_proj.weight"]
+    )
+
+
+# ---------------------------------------------------------------- a head for the other kind of target
+
+
+def test_a_head_for_another_kind_of_target_is_refused(tiny_deepseek, tiny_target, tmp_path):
+    """Both have hidden size 64 and SmolLM2's vocabulary: only the kind tells them apart."""
+    heads = {}
+    for name, target_dir in (("llama", tiny_target), ("deepseek_v2", tiny_deepseek)):
+        head = MTPHead(
+            HeadConfig("rmsnorm-restored", read_target_config(target_dir)), frozen_target_tensors(target_dir)
+        )
+        heads[name] = ex.save_head(head, tmp_path / name, target_identity(target_dir), {})
+    with pytest.raises(ValueError, match="LlamaMTPHead for a llama target.*is deepseek_v2"):
+        ex.load_head(heads["llama"], tiny_deepseek)
+    with pytest.raises(ValueError, match="DeepseekV2MTPHead for a deepseek_v2 target.*is llama"):
+        ex.load_head(heads["deepseek_v2"], tiny_target)
+    with pytest.raises(ValueError, match="trained for a llama target .*this target is deepseek_v2"):
+        load_draft(heads["llama"], load_target(tiny_deepseek))
+    with pytest.raises(ValueError, match="trained for a deepseek_v2 target .*this target is llama"):
+        load_draft(heads["deepseek_v2"], load_target(tiny_target))
