@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import hydra
@@ -22,7 +23,7 @@ from omegaconf import OmegaConf
 
 from inference_ref.target import frozen_target_tensors, read_target_config
 from mtp_train import checkpoint
-from mtp_train.batching import DraftBatch, MicroBatchPlan, collate
+from mtp_train.batching import DraftBatch, MicroBatchPlan, collate, prefetched
 from mtp_train.config import RunConfig
 from mtp_train.heads import HeadConfig, MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
@@ -74,8 +75,20 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float):
     return factor
 
 
-def load_micro_batch(store: Store, indices: list[int], steps: int) -> DraftBatch:
-    return collate([store.sample(i) for i in indices], steps)
+def micro_batches(acc: Accelerator, store: Store, tc, start: int) -> Iterator[DraftBatch]:
+    """This process's micro-batches from optimizer step `start` on, built on a background thread
+    (store reads, alignment, pinned host memory) while the GPU runs the current step.
+    Global micro-batch g = (step · accum + micro) · world + rank."""
+    plan = MicroBatchPlan(store.lengths, tc.tokens_per_micro_batch, tc.seed)
+    pin = acc.device.type == "cuda"
+
+    def load(g: int) -> DraftBatch:
+        batch = collate([store.sample(i) for i in plan.samples(g)], tc.unroll_steps)
+        return batch.pin_memory() if pin else batch
+
+    first = start * tc.grad_accum
+    keys = (m * acc.num_processes + acc.process_index for m in range(first, tc.steps * tc.grad_accum))
+    return prefetched(load, keys)
 
 
 def train(cfg: RunConfig) -> Path:
@@ -109,15 +122,14 @@ def train(cfg: RunConfig) -> Path:
         start = checkpoint.load(acc, last, objective, optimizer, scheduler)
         acc.print(f"resumed from {last} at step {start}")
 
-    plan = MicroBatchPlan(store.lengths, tc.tokens_per_micro_batch, tc.seed)
+    batches = micro_batches(acc, store, tc, start)
     progress = Progress(acc, cfg, total_steps=tc.steps, start_step=start)
     param_dtype = next(acc.unwrap_model(objective).head.parameters()).dtype
     validator = None  # built at the first validation (it loads the target once)
     for step in range(start, tc.steps):
         stats = []
-        for micro in range(tc.grad_accum):
-            g = (step * tc.grad_accum + micro) * acc.num_processes + acc.process_index
-            batch = load_micro_batch(store, plan.samples(g), tc.unroll_steps).to(acc.device, param_dtype)
+        for _ in range(tc.grad_accum):
+            batch = next(batches).to(acc.device, param_dtype)
             with acc.accumulate(objective):
                 loss, metrics = objective(batch)
                 acc.backward(loss)
