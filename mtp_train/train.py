@@ -148,10 +148,14 @@ def train(cfg: RunConfig) -> Path:
         spec = done in tc.spec_validate_at
         if spec or (tc.validate_every and done % tc.validate_every == 0):
             head_dir = export_head(acc, objective, out_dir / "head-latest", identity, cfg, done)
+            rank, world = acc.process_index, acc.num_processes
+            validator = validator or DuringTraining(cfg, target_dir, acc.device, dtype, rank, world)
+            sums = validator(head_dir, spec)  # this process's share of the prompts
+            totals = acc.reduce(
+                torch.tensor(list(sums.values()), dtype=torch.float64, device=acc.device), reduction="sum"
+            )
             if acc.is_main_process:
-                validator = validator or DuringTraining(cfg, target_dir, acc.device, dtype)
-                progress.log_validation(done, validator(head_dir, spec))
-            acc.wait_for_everyone()
+                progress.log_validation(done, DuringTraining.figures(dict(zip(sums, totals.tolist()))))
     head_dir = export_head(acc, objective, out_dir / "head", identity, cfg, tc.steps)
     if acc.is_main_process:
         (out_dir / "train_summary.json").write_text(

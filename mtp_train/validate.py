@@ -104,8 +104,9 @@ def timed_pass(ev: Evaluator, prompts, vc, generate_ids) -> tuple[dict, list, li
     )
 
 
-def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, seed: int):
-    stats = SpecStats(k)
+def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, seed: int, stats=None):
+    """Speculative decoding over every turn; `stats` (a SpecStats) accumulates if given."""
+    stats = stats if stats is not None else SpecStats(k)
     generator = torch.Generator(device=ev.target.embed_tokens.weight.device).manual_seed(seed)
 
     def generate_ids(ids):
@@ -230,35 +231,79 @@ class DuringTraining:
     """The trainer's periodic validation: the teacher-forced part every `validate_every` steps and
     the greedy speculative loop at the `spec_validate_at` steps, through inference_ref on the head
     the trainer has just exported. The target and the target's own answers to the evaluation
-    prompts (the teacher-forced text) are computed once and kept."""
+    prompts (the teacher-forced text) are computed once and kept.
 
-    def __init__(self, cfg: RunConfig, target_dir: Path, device, dtype):
+    In a job of N processes each validates every N-th prompt and returns sums, which the trainer
+    adds across processes (`figures` turns them into rates): no process waits while another
+    validates, and the work is split N ways. Each process loads the target for this."""
+
+    def __init__(self, cfg: RunConfig, target_dir: Path, device, dtype, rank: int = 0, world: int = 1):
         self.cfg, self.target_dir, self.device, self.dtype = cfg, target_dir, device, dtype
         self.ev: Evaluator | None = None
-        self.prompts = load_prompts(cfg.validate.eval_files, limit=cfg.validate.num_prompts)
+        vc = cfg.validate
+        self.prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)[rank::world]
+        self.tf_limit = -(-vc.teacher_forced_samples // world)
         self.samples: list[Sample] = []
 
     def __call__(self, head_dir: Path, spec: bool) -> dict[str, float]:
+        """Sums over this process's prompts (the same keys on every process)."""
         vc = self.cfg.validate
+        chains = vc.chain_lengths if spec else []
+        sums = empty_sums(chains)
+        if not self.prompts:
+            return sums
         if self.ev is None:
             self.ev = Evaluator.load(self.target_dir, head_dir, self.device, self.dtype)
             _, dialogs, _ = target_only_pass(self.ev, self.prompts, vc)
-            self.samples = samples_of(self.ev, dialogs, vc.teacher_forced_samples, self.cfg.data.max_seq_len)
+            self.samples = samples_of(self.ev, dialogs, self.tf_limit, self.cfg.data.max_seq_len)
         else:
             self.ev.draft = load_draft(head_dir, self.ev.target)
         head = load_head(head_dir, self.target_dir).to(device=self.device, dtype=self.dtype)
         store_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         tf = teacher_forced(self.ev, head, self.samples, store_dtype, self.cfg.train.loss_chunk_logits)
+        for path in ("trainer", "inference"):
+            n = tf[path]["positions"]
+            sums[f"{path}/ce"], sums[f"{path}/top1"], sums[f"{path}/n"] = (
+                tf[path]["ce"] * n,
+                tf[path]["top1"] * n,
+                float(n),
+            )
+        for k in chains:
+            stats = SpecStats(k)
+            speculative_pass(self.ev, self.prompts, k, 0.0, vc, vc.seed, stats)
+            sums[f"k{k}/steps"], sums[f"k{k}/emitted"] = float(stats.steps), float(stats.emitted)
+            for j in range(k):
+                sums[f"k{k}/tried{j + 1}"] = float(stats.tried[j])
+                sums[f"k{k}/accepted{j + 1}"] = float(stats.accepted[j])
+        return sums
+
+    @staticmethod
+    def figures(sums: dict[str, float]) -> dict[str, float]:
+        """Sums (added over processes) → the logged figures."""
+
+        def rate(a: str, b: str) -> float:
+            return sums[a] / sums[b] if sums[b] else float("nan")
+
         out = {
-            "val/loss": tf["inference"]["ce"],
-            "val/top1": tf["inference"]["top1"],
-            "val/parity_gap": tf["parity_gap"]["ce"],
+            "val/loss": rate("inference/ce", "inference/n"),
+            "val/top1": rate("inference/top1", "inference/n"),
+            "val/parity_gap": abs(rate("trainer/ce", "trainer/n") - rate("inference/ce", "inference/n")),
         }
-        for k in vc.chain_lengths if spec else []:
-            run, _, _ = speculative_pass(self.ev, self.prompts, k, 0.0, vc, vc.seed)
-            out[f"val/tau_k{k}"] = run["mean_accepted_len"]
-            out.update({f"val/accept_k{k}_pos{j + 1}": a for j, a in enumerate(run["accept_rate"])})
+        for key in sums:
+            if key.endswith("/steps"):
+                k = key.split("/")[0]
+                out[f"val/tau_{k}"] = rate(f"{k}/emitted", key)
+                for j in range(1, int(k[1:]) + 1):
+                    out[f"val/accept_{k}_pos{j}"] = rate(f"{k}/accepted{j}", f"{k}/tried{j}")
         return out
+
+
+def empty_sums(chains: list[int]) -> dict[str, float]:
+    keys = [f"{p}/{m}" for p in ("trainer", "inference") for m in ("ce", "top1", "n")]
+    for k in chains:
+        keys += [f"k{k}/steps", f"k{k}/emitted"]
+        keys += [f"k{k}/{m}{j}" for j in range(1, k + 1) for m in ("tried", "accepted")]
+    return dict.fromkeys(keys, 0.0)
 
 
 def write_report(report: dict, path: Path) -> None:

@@ -31,7 +31,12 @@ def config(overrides: list[str]):
 def metrics(run: Path) -> dict[int, dict]:
     """step → the last logged figures for it (a resumed run logs its steps again)."""
     rows = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows}
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def validations(run: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "val/loss" in r}
 
 
 def tiny_overrides(target: Path, run: Path, store: Path, *extra: str) -> list[str]:
@@ -107,7 +112,18 @@ def test_kill_and_resume_reproduces_the_uninterrupted_curve(tiny_target, tiny_st
 
 
 def test_two_processes_match_one_at_the_same_global_batch(tiny_target, tiny_store, tmp_path):
-    common = ["train.steps=4", "train.save_every=0"]
+    mt_bench = Path(__file__).resolve().parent.parent / "data" / "mt_bench.jsonl"
+    # Validation inside the job too: each process takes every other prompt, the sums are added.
+    validation = [
+        "train.validate_every=2",
+        "train.spec_validate_at=[4]",
+        f"validate.eval_files=[{mt_bench}]",
+        "validate.num_prompts=4",
+        "validate.max_new_tokens=8",
+        "validate.chain_lengths=[2]",
+        "validate.teacher_forced_samples=4",
+    ]
+    common = ["train.steps=4", "train.save_every=0", *validation]
     one = tmp_path / "one"
     train(config(tiny_overrides(tiny_target, one, tiny_store, *common, "train.grad_accum=2")))
     two = tmp_path / "two"
@@ -125,6 +141,11 @@ def test_two_processes_match_one_at_the_same_global_batch(tiny_target, tiny_stor
     for step in range(1, 5):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
         assert b[step]["top1"] == pytest.approx(a[step]["top1"], abs=1e-6), step
+    val_a, val_b = validations(one), validations(two)
+    assert sorted(val_b) == [2, 4]
+    for step in (2, 4):
+        assert val_b[step]["val/loss"] == pytest.approx(val_a[step]["val/loss"], rel=1e-4), step
+    assert val_b[4]["val/tau_k2"] == pytest.approx(val_a[4]["val/tau_k2"], rel=1e-3)
 
 
 def test_unknown_config_keys_are_errors(tiny_target):
