@@ -12,55 +12,10 @@ import argparse
 import torch
 
 from benchmarks.bench_precompute import packed_batches, padded_batches, run_hf, run_ours
-from benchmarks.common import DEVICE, DTYPE, lognormal_lengths, write_result
+from benchmarks.common import DEEPSEEK_V2_LITE, DEVICE, DTYPE, lognormal_lengths, write_result
 from inference_ref.attention import packed_kernel
 from inference_ref.deepseek_v2 import DeepseekV2Config, DeepseekV2Model, Rotary, grouped_kernel, hf_state_dict
 from inference_ref.llama import cu_seqlens_of
-
-# DeepSeek-V2-Lite's config.json (the fields the model reads).
-LITE = dict(
-    vocab_size=102400,
-    hidden_size=2048,
-    intermediate_size=10944,
-    moe_intermediate_size=1408,
-    num_hidden_layers=27,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    q_lora_rank=None,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    n_routed_experts=64,
-    num_experts_per_tok=6,
-    n_shared_experts=2,
-    first_k_dense_replace=1,
-    moe_layer_freq=1,
-    routed_scaling_factor=1.0,
-    topk_method="greedy",
-    n_group=1,
-    topk_group=1,
-    norm_topk_prob=False,
-    scoring_func="softmax",
-    rms_norm_eps=1e-6,
-    rope_theta=10000,
-    rope_scaling={
-        "type": "yarn",
-        "factor": 40,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-    },
-    max_position_embeddings=163840,
-    tie_word_embeddings=False,
-    bos_token_id=100000,
-    eos_token_id=100001,
-    hidden_act="silu",
-    attention_bias=False,
-    model_type="deepseek_v2",
-)
 
 
 def active_flops_per_token(cfg: DeepseekV2Config) -> float:
@@ -130,7 +85,7 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=32768)
     p.add_argument("--layers", type=int, default=None, help="override depth (quick checks)")
     args = p.parse_args()
-    hf_cfg = dict(LITE, **({} if args.layers is None else {"num_hidden_layers": args.layers}))
+    hf_cfg = dict(DEEPSEEK_V2_LITE, **({} if args.layers is None else {"num_hidden_layers": args.layers}))
     cfg = DeepseekV2Config.from_hf(hf_cfg)
     model = random_on_device(cfg)
     hf = hf_copy(model)

@@ -52,6 +52,52 @@ SHAPES = {
     ),
 }
 
+# DeepSeek-V2-Lite's config.json on the hub (deepseek-ai/DeepSeek-V2-Lite), the fields the code reads.
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "routed_scaling_factor": 1.0,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "max_position_embeddings": 163840,
+    "tie_word_embeddings": False,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "hidden_act": "silu",
+    "attention_bias": False,
+}
+
 RESULTS = Path(__file__).parent / "results"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32

@@ -37,6 +37,8 @@ def packed_causal_attention(
     if q.is_cuda and half and _VARLEN is not None and _varlen_failed is None:
         try:
             return _varlen(q, k, v, cu_seqlens, max_len)
+        except torch.OutOfMemoryError:
+            raise  # a property of this batch, not of the kernel
         except (RuntimeError, TypeError, NotImplementedError) as e:
             # An older build without this dtype, head size or signature: fall back for good.
             _varlen_failed = f"{type(e).__name__}: {e}"
@@ -71,13 +73,18 @@ def varlen_with_lse(
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     cu = cu_seqlens.to(torch.int32)
+    tokens, heads = q.shape[:2]
+    if tokens == heads:  # the log-sum-exp's layout could not be told from its shape
+        return None
     try:
         out, lse = _VARLEN(
             q, k, v, cu, cu, max_len, max_len, return_aux=AuxRequest(lse=True), window_size=(-1, 0)
         )
+    except torch.OutOfMemoryError:
+        raise
     except (RuntimeError, TypeError, NotImplementedError):
         return None
-    if lse.shape[0] != q.shape[0]:  # FlashAttention keeps it [heads, tokens]
+    if lse.shape == (heads, tokens):  # FlashAttention's own layout
         lse = lse.transpose(0, 1)
     return out, lse.float()
 

@@ -28,7 +28,7 @@ from inference_ref.generate import (
     right_pad,
     sample,
 )
-from inference_ref.llama import KVCache, LlamaModel
+from inference_ref.target import Cache, TargetModel
 
 
 @dataclass
@@ -79,7 +79,7 @@ class SpecOutput:
 
 @torch.inference_mode()
 def speculative_generate(
-    target: LlamaModel,
+    target: TargetModel,
     draft: MTPDraft,
     prompts: list[list[int]],
     max_new_tokens: int,
@@ -132,7 +132,7 @@ def speculative_generate(
 
 def draft_prefill(
     draft: MTPDraft, hidden: torch.Tensor, prompts: list[list[int]], first: torch.Tensor, max_len: int
-) -> tuple[KVCache, torch.Tensor]:
+) -> tuple[Cache, torch.Tensor]:
     """Draft entries for every prompt position; returns the cache and y at each row's last entry.
 
     The entry at position i reads (h_i, t_{i+1}): the prompt shifted one left, ending with the
@@ -149,7 +149,7 @@ def draft_prefill(
 def propose(
     draft: MTPDraft,
     y: torch.Tensor,
-    cache: KVCache,
+    cache: Cache,
     k: int,
     temperature: float,
     generator: torch.Generator | None,

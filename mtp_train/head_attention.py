@@ -50,10 +50,11 @@ def head_attention(
 
 def flash_or_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
     """Causal attention inside each sample, differentiable, in q's dtype."""
-    if q.is_cuda and q.dtype == torch.float32:
+    if q.is_cuda and q.dtype == torch.float32 and torch.is_grad_enabled():
         # fp32 training without DeepSpeed's bf16: FlashAttention takes 16-bit inputs only, and
         # its fallback (one SDPA call per sample) makes a small head's step CPU-bound. Run it
-        # in bf16 as autocast would; the result and the gradients return to fp32.
+        # in bf16 as autocast would; the result and the gradients return to fp32. Not without
+        # gradients: validation's fp32 trainer path stays fp32.
         half = [t.bfloat16() for t in (q, k, v)]
         return packed_causal_attention(*half, seg.cu_seqlens, seg.max_len).float()
     return packed_causal_attention(q, k, v, seg.cu_seqlens, seg.max_len)
@@ -62,7 +63,9 @@ def flash_or_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segmen
 def causal_attention_with_lse(q, k, v, seg: Segments) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention inside each sample and its log-sum-exp [T, Hq] (fp32), both differentiable."""
     global _flash_lse_usable
-    if q.is_cuda and _flash_lse_usable:
+    fp32_inference = q.dtype == torch.float32 and not torch.is_grad_enabled()
+    square = q.shape[0] == q.shape[1]  # varlen_with_lse cannot tell the lse layout (tiny batches)
+    if q.is_cuda and _flash_lse_usable and not fp32_inference and not square:
         try:
             return _AttentionWithLse.apply(q, k, v, seg, FLASH)
         except _NoFlashLse:  # this torch's kernel cannot: the exact path, for the whole run

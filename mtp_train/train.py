@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from inference_ref.target import frozen_target_tensors, read_target_config
 from mtp_train import checkpoint
 from mtp_train.batching import DraftBatch, MicroBatchPlan, collate, prefetched
-from mtp_train.config import RunConfig
+from mtp_train.config import RunConfig, TrainConfig
 from mtp_train.heads import HeadConfig, MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.progress import Progress
@@ -75,7 +75,7 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float):
     return factor
 
 
-def micro_batches(acc: Accelerator, store: Store, tc, start: int) -> Iterator[DraftBatch]:
+def micro_batches(acc: Accelerator, store: Store, tc: TrainConfig, start: int) -> Iterator[DraftBatch]:
     """This process's micro-batches from optimizer step `start` on, built on a background thread
     (store reads, alignment, pinned host memory) while the GPU runs the current step.
     Global micro-batch g = (step · accum + micro) · world + rank."""
@@ -150,12 +150,9 @@ def train(cfg: RunConfig) -> Path:
             head_dir = export_head(acc, objective, out_dir / "head-latest", identity, cfg, done)
             rank, world = acc.process_index, acc.num_processes
             validator = validator or DuringTraining(cfg, target_dir, acc.device, dtype, rank, world)
-            sums = validator(head_dir, spec)  # this process's share of the prompts
-            totals = acc.reduce(
-                torch.tensor(list(sums.values()), dtype=torch.float64, device=acc.device), reduction="sum"
-            )
+            figures = validate_in_job(acc, validator, head_dir, spec)
             if acc.is_main_process:
-                progress.log_validation(done, DuringTraining.figures(dict(zip(sums, totals.tolist()))))
+                progress.log_validation(done, figures)
     head_dir = export_head(acc, objective, out_dir / "head", identity, cfg, tc.steps)
     if acc.is_main_process:
         (out_dir / "train_summary.json").write_text(
@@ -163,6 +160,14 @@ def train(cfg: RunConfig) -> Path:
         )
     progress.close()
     return head_dir
+
+
+def validate_in_job(acc: Accelerator, validator: DuringTraining, head_dir: Path, spec: bool) -> dict:
+    """Every process validates its share of the prompts; the sums are added across processes."""
+    sums = validator(head_dir, spec)
+    values = torch.tensor(list(sums.values()), dtype=torch.float64, device=acc.device)
+    totals = acc.reduce(values, reduction="sum")
+    return DuringTraining.figures(dict(zip(sums, totals.tolist())))
 
 
 def export_head(acc: Accelerator, objective, out: Path, identity: dict, cfg: RunConfig, step: int) -> Path:

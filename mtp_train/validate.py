@@ -104,9 +104,9 @@ def timed_pass(ev: Evaluator, prompts, vc, generate_ids) -> tuple[dict, list, li
     )
 
 
-def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, seed: int, stats=None):
-    """Speculative decoding over every turn; `stats` (a SpecStats) accumulates if given."""
-    stats = stats if stats is not None else SpecStats(k)
+def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, seed: int):
+    """Speculative decoding over every turn: rates and the counts behind them, timing."""
+    stats = SpecStats(k)
     generator = torch.Generator(device=ev.target.embed_tokens.weight.device).manual_seed(seed)
 
     def generate_ids(ids):
@@ -120,6 +120,12 @@ def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, see
     report = {
         "accept_rate": stats.accept_rate,
         "mean_accepted_len": stats.mean_accepted_len,
+        "counts": {
+            "tried": stats.tried,
+            "accepted": stats.accepted,
+            "steps": stats.steps,
+            "emitted": stats.emitted,
+        },
         **timing,
         "draft_s": stats.draft_s,
         "target_s": stats.target_s,
@@ -242,39 +248,50 @@ class DuringTraining:
         self.ev: Evaluator | None = None
         vc = cfg.validate
         self.prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)[rank::world]
-        self.tf_limit = -(-vc.teacher_forced_samples // world)
+        # Prompt m of this rank is prompt rank + m·world overall: the teacher-forced set is the
+        # first `teacher_forced_samples` prompts whatever the number of processes.
+        self.tf_limit = max(0, -(-(vc.teacher_forced_samples - rank) // world))
         self.samples: list[Sample] = []
 
     def __call__(self, head_dir: Path, spec: bool) -> dict[str, float]:
         """Sums over this process's prompts (the same keys on every process)."""
-        vc = self.cfg.validate
-        chains = vc.chain_lengths if spec else []
+        chains = self.cfg.validate.chain_lengths if spec else []
         sums = empty_sums(chains)
-        if not self.prompts:
-            return sums
+        if self.prompts:
+            self._load(head_dir)
+            sums.update(self._teacher_forced_sums(head_dir))
+            for k in chains:
+                sums.update(self._speculative_sums(k))
+        return sums
+
+    def _load(self, head_dir: Path) -> None:
+        vc = self.cfg.validate
         if self.ev is None:
             self.ev = Evaluator.load(self.target_dir, head_dir, self.device, self.dtype)
             _, dialogs, _ = target_only_pass(self.ev, self.prompts, vc)
             self.samples = samples_of(self.ev, dialogs, self.tf_limit, self.cfg.data.max_seq_len)
         else:
             self.ev.draft = load_draft(head_dir, self.ev.target)
+
+    def _teacher_forced_sums(self, head_dir: Path) -> dict[str, float]:
         head = load_head(head_dir, self.target_dir).to(device=self.device, dtype=self.dtype)
         store_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         tf = teacher_forced(self.ev, head, self.samples, store_dtype, self.cfg.train.loss_chunk_logits)
+        sums = {}
         for path in ("trainer", "inference"):
             n = tf[path]["positions"]
-            sums[f"{path}/ce"], sums[f"{path}/top1"], sums[f"{path}/n"] = (
-                tf[path]["ce"] * n,
-                tf[path]["top1"] * n,
-                float(n),
+            sums.update(
+                {f"{path}/ce": tf[path]["ce"] * n, f"{path}/top1": tf[path]["top1"] * n, f"{path}/n": n}
             )
-        for k in chains:
-            stats = SpecStats(k)
-            speculative_pass(self.ev, self.prompts, k, 0.0, vc, vc.seed, stats)
-            sums[f"k{k}/steps"], sums[f"k{k}/emitted"] = float(stats.steps), float(stats.emitted)
-            for j in range(k):
-                sums[f"k{k}/tried{j + 1}"] = float(stats.tried[j])
-                sums[f"k{k}/accepted{j + 1}"] = float(stats.accepted[j])
+        return sums
+
+    def _speculative_sums(self, k: int) -> dict[str, float]:
+        vc = self.cfg.validate
+        counts = speculative_pass(self.ev, self.prompts, k, 0.0, vc, vc.seed)[0]["counts"]
+        sums = {f"k{k}/steps": counts["steps"], f"k{k}/emitted": counts["emitted"]}
+        for j in range(k):
+            sums[f"k{k}/tried{j + 1}"] = counts["tried"][j]
+            sums[f"k{k}/accepted{j + 1}"] = counts["accepted"][j]
         return sums
 
     @staticmethod
@@ -299,6 +316,8 @@ class DuringTraining:
 
 
 def empty_sums(chains: list[int]) -> dict[str, float]:
+    """Every key a process's sums have, whether or not it has prompts: the cross-process reduce
+    adds them position by position."""
     keys = [f"{p}/{m}" for p in ("trainer", "inference") for m in ("ce", "top1", "n")]
     for k in chains:
         keys += [f"k{k}/steps", f"k{k}/emitted"]

@@ -13,6 +13,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from benchmarks.common import DEEPSEEK_V2_LITE
 from inference_ref import deepseek_v2 as ds
 from inference_ref.config import LlamaConfig
 from inference_ref.deepseek_v2 import DeepseekV2Config, YarnScaling, load_deepseek_v2
@@ -57,52 +58,6 @@ CONFIGS = {
         topk_group=2,
         routed_scaling_factor=4.0,
     ),
-}
-
-# The hub's DeepSeek-V2-Lite config.json, the fields this code reads.
-LITE_HUB = {
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "model_type": "deepseek_v2",
-    "vocab_size": 102400,
-    "hidden_size": 2048,
-    "intermediate_size": 10944,
-    "moe_intermediate_size": 1408,
-    "num_hidden_layers": 27,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "q_lora_rank": None,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "n_routed_experts": 64,
-    "num_experts_per_tok": 6,
-    "n_shared_experts": 2,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "routed_scaling_factor": 1.0,
-    "topk_method": "greedy",
-    "n_group": 1,
-    "topk_group": 1,
-    "norm_topk_prob": False,
-    "scoring_func": "softmax",
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 10000,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-    "max_position_embeddings": 163840,
-    "tie_word_embeddings": False,
-    "bos_token_id": 100000,
-    "eos_token_id": 100001,
-    "hidden_act": "silu",
-    "attention_bias": False,
 }
 
 
@@ -259,7 +214,7 @@ def test_grouped_experts_equal_a_per_expert_reference():
 def test_config_round_trip_and_hub_lite_config():
     for cfg in CONFIGS.values():
         assert DeepseekV2Config.from_hf(cfg.to_hf()) == cfg
-    lite = DeepseekV2Config.from_hf(LITE_HUB)
+    lite = DeepseekV2Config.from_hf(DEEPSEEK_V2_LITE)
     assert (lite.q_lora_rank, lite.kv_lora_rank, lite.qk_head_dim, lite.v_head_dim) == (None, 512, 192, 128)
     assert (lite.n_routed_experts, lite.num_experts_per_tok, lite.n_shared_experts) == (64, 6, 2)
     assert lite.rope_scaling == YarnScaling(40, 4096, 32, 1, mscale=0.707, mscale_all_dim=0.707)
@@ -272,7 +227,7 @@ def test_config_round_trip_and_hub_lite_config():
 def test_yarn_tables_equal_transformers_at_the_lite_rope_shape():
     """V2-Lite's rope (64 dims, factor 40, original 4096) on a tiny model: inverse frequencies,
     cos/sin magnitude and softmax scale as transformers computes them."""
-    rope = {**LITE_HUB["rope_scaling"], "mscale": 1.0}  # make the cos/sin magnitude ≠ 1 as well
+    rope = {**DEEPSEEK_V2_LITE["rope_scaling"], "mscale": 1.0}  # make the cos/sin magnitude ≠ 1 as well
     cfg = dataclasses.replace(
         CONFIGS["lite"],
         qk_rope_head_dim=64,
@@ -296,4 +251,4 @@ def test_yarn_tables_equal_transformers_at_the_lite_rope_shape():
 )
 def test_unsupported_options_raise(change, message):
     with pytest.raises(ValueError, match=message):
-        DeepseekV2Config.from_hf({**LITE_HUB, **change})
+        DeepseekV2Config.from_hf({**DEEPSEEK_V2_LITE, **change})

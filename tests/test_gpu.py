@@ -74,6 +74,7 @@ def test_training_step_on_gpu():
 
 
 def test_fp32_head_attention_runs_the_bf16_kernel_and_returns_fp32_gradients():
+    import inference_ref.attention as attention
     from mtp_train.head_attention import Segments, head_attention
 
     torch.manual_seed(0)
@@ -81,6 +82,7 @@ def test_fp32_head_attention_runs_the_bf16_kernel_and_returns_fp32_gradients():
     cu = cu_seqlens_of(lens, device="cuda")
     q, k, v = (torch.randn(sum(lens), h, 64, device="cuda", requires_grad=True) for h in (8, 2, 2))
     out = head_attention(q, [(k, v)], Segments(cu, max(lens)))
+    assert attention._VARLEN is not None and attention._varlen_failed is None  # the kernel ran
     assert out.dtype == torch.float32
     ref = _sdpa_per_sequence(q.detach(), k.detach(), v.detach(), cu)
     torch.testing.assert_close(out.detach(), ref, atol=2e-2, rtol=2e-2)
@@ -89,7 +91,8 @@ def test_fp32_head_attention_runs_the_bf16_kernel_and_returns_fp32_gradients():
 
 
 def test_flash_lse_attention_matches_the_exact_path_with_gradients():
-    from mtp_train.head_attention import Segments, exact_attention_with_lse, head_attention
+    from inference_ref.attention import varlen_with_lse
+    from mtp_train.head_attention import Segments, head_attention
 
     torch.manual_seed(0)
     lens = [37, 300, 5, 128]
@@ -97,17 +100,18 @@ def test_flash_lse_attention_matches_the_exact_path_with_gradients():
     T = sum(lens)
     make = lambda h: torch.randn(T, h, 64, device="cuda", requires_grad=True)  # noqa: E731
     q, k0, v0, k1, v1 = make(8), make(2), make(2), make(2), make(2)
+    half = [t.detach().bfloat16() for t in (q, k0, v0)]
+    assert varlen_with_lse(*half, seg.cu_seqlens, seg.max_len) is not None  # the flash path runs
     got = head_attention(q, [(k0, v0), (k1, v1)], seg)  # chained step 1: the lse merge
     grads = torch.autograd.grad(got.square().sum(), (q, k0, v0))
-    ref_out0, ref_lse0 = exact_attention_with_lse(q, k0, v0, seg)
     import mtp_train.head_attention as ha
 
-    ha._flash_lse_usable = False  # the exact path for the reference
+    before, ha._flash_lse_usable = ha._flash_lse_usable, False  # the exact path for the reference
     try:
         ref = head_attention(q, [(k0, v0), (k1, v1)], seg)
         ref_grads = torch.autograd.grad(ref.square().sum(), (q, k0, v0))
     finally:
-        ha._flash_lse_usable = True
+        ha._flash_lse_usable = before
     torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
     for g, r in zip(grads, ref_grads):
         assert float((g - r).norm() / r.norm()) < 2e-2

@@ -118,10 +118,10 @@ def test_two_processes_match_one_at_the_same_global_batch(tiny_target, tiny_stor
         "train.validate_every=2",
         "train.spec_validate_at=[4]",
         f"validate.eval_files=[{mt_bench}]",
-        "validate.num_prompts=4",
+        "validate.num_prompts=5",  # split 3 + 2
         "validate.max_new_tokens=8",
         "validate.chain_lengths=[2]",
-        "validate.teacher_forced_samples=4",
+        "validate.teacher_forced_samples=3",  # prompts 0, 1, 2 whatever the split
     ]
     common = ["train.steps=4", "train.save_every=0", *validation]
     one = tmp_path / "one"
