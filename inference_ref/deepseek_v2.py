@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_ref.attention import cache_mask, packed_causal_attention
-from inference_ref.llama import RMSNorm, packed_positions
+from inference_ref.llama import Fp32Frequencies, RMSNorm, packed_positions
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, read_tensors, safetensors_files
 
 # Both DeepSeek and transformers build q_a_layernorm / kv_a_layernorm with the default eps, not
@@ -281,7 +281,7 @@ def rope_inv_freq(cfg: DeepseekV2Config) -> torch.Tensor:
     return (1.0 / (s.factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
 
 
-class Rotary(nn.Module):
+class Rotary(Fp32Frequencies):
     """fp32 cos/sin [..., qk_rope_head_dim / 2] for given positions, the YaRN magnitude included."""
 
     def __init__(self, cfg: DeepseekV2Config):
@@ -465,6 +465,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) ->
     if _GROUPED_MM is not None and _grouped_failed is None:
         try:
             return _GROUPED_MM(x, weight.transpose(-2, -1), offs=ends)
+        except torch.OutOfMemoryError:
+            raise  # a property of this batch (a training step's, say), not of the kernel
         except (RuntimeError, NotImplementedError) as e:
             # An older build, or a dtype / alignment its kernel lacks: fall back for good.
             _grouped_failed = f"{type(e).__name__}: {e}"
@@ -706,8 +708,9 @@ def _unfuse(
     return {p + name: t}
 
 
-def _placed(state: dict[str, torch.Tensor], device, dtype) -> dict[str, torch.Tensor]:
-    # The router stays fp32 whatever the model's dtype, as transformers keeps it (see `Router`).
+def placed(state: dict[str, torch.Tensor], device, dtype) -> dict[str, torch.Tensor]:
+    """`state` on `device` in `dtype`, except a router, which stays fp32 whatever the model's
+    dtype, as transformers keeps it (see `Router`)."""
     return {
         k: v.to(device, torch.float32 if k.endswith("router.weight") else dtype) for k, v in state.items()
     }
@@ -719,7 +722,7 @@ def build_model(
     """Assemble a model from a fused state dict without allocating random weights first."""
     with torch.device("meta"):
         model = DeepseekV2Model(cfg)
-    model.load_state_dict(_placed(state, device, dtype), strict=True, assign=True)
+    model.load_state_dict(placed(state, device, dtype), strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = Rotary(cfg).to(device)  # fp32 frequencies whatever the weights' dtype
@@ -732,13 +735,13 @@ def load_deepseek_v2(path: str | Path, device="cpu", dtype=torch.float32) -> Dee
     cfg = read_deepseek_v2_config(path)
     names = list(safetensors_files(path))
     top = [EMBED, FINAL_NORM] + ([] if cfg.tie_word_embeddings else [LM_HEAD])
-    state = _placed(fuse_top(read_tensors(path, top), cfg), device, dtype)
+    state = placed(fuse_top(read_tensors(path, top), cfg), device, dtype)
     for i in range(cfg.num_hidden_layers):
         # One layer at a time, placed before the next is read: host memory holds one layer's
         # tensors (about 1.2 GB for V2-Lite), not the 31 GB checkpoint and its fused copy.
         prefix = f"model.layers.{i}."
         layer = read_tensors(path, [n for n in names if n.startswith(prefix)])
-        state.update(_placed(fuse_layer(layer, cfg, i), device, dtype))
+        state.update(placed(fuse_layer(layer, cfg, i), device, dtype))
     return build_model(cfg, state, device, dtype)
 
 

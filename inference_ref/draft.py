@@ -1,8 +1,8 @@
 """The MTP draft head for serving: loads the native export and runs it through its own KV cache.
 
 The decoder layer is the target's kind: a Llama layer with a KV cache, or for a DeepSeek-V2
-target an MLA layer (dense MLP) with a latent cache, attending in the latent space as the target's
-decode does.
+target an MLA layer with a latent cache, attending in the latent space as the target's decode
+does, and a dense MLP or (config.json `"mlp": "moe"`) the target's MoE block.
 
 Math (the training module `mtp_train.heads.MTPHead` is the contract this reproduces):
 
@@ -39,6 +39,7 @@ from inference_ref.target import Cache, TargetConfig, TargetModel, config_from_h
 FORMAT, FORMAT_VERSION = "mtp-train-head", 1
 ARCHITECTURES = {"llama": "LlamaMTPHead", "deepseek_v2": "DeepseekV2MTPHead"}  # by target kind
 VARIANTS = ("rmsnorm-restored", "eagle1")
+MLPS = ("dense", "moe")  # the layer's MLP; a config.json without "mlp" (older heads) is dense
 SHARED = ("embed_tokens.weight", "lm_head.weight")
 
 
@@ -50,6 +51,8 @@ class HeadSpec:
     """`rmsnorm-restored` or `eagle1`."""
     layer: TargetConfig
     """Shape of the head's one decoder layer (the target's kind)."""
+    mlp: str = "dense"
+    """The layer's MLP: `dense`, or `moe` (the target's MoE block; DeepSeek-V2 targets only)."""
 
     @property
     def restored(self) -> bool:
@@ -69,7 +72,12 @@ class HeadSpec:
                 f"head config.json: architecture {config.get('architecture')!r} variant "
                 f"{config.get('variant')!r} is not {expected!r} with a variant in {VARIANTS}"
             )
-        return cls(config["variant"], layer)
+        mlp = config.get("mlp", "dense")
+        if mlp not in MLPS or (mlp == "moe" and not isinstance(layer, DeepseekV2Config)):
+            raise ValueError(
+                f"head config.json: mlp {mlp!r} is not one of {MLPS} (moe only with a deepseek_v2 layer)"
+            )
+        return cls(config["variant"], layer, mlp)
 
 
 def check_head_fits_target(config: dict, target: TargetConfig) -> None:
@@ -88,18 +96,23 @@ def check_head_fits_target(config: dict, target: TargetConfig) -> None:
             )
 
 
-def fuse_head_state(tensors: dict[str, torch.Tensor], layer: TargetConfig) -> dict[str, torch.Tensor]:
+def fuse_head_state(tensors: dict[str, torch.Tensor], spec: HeadSpec) -> dict[str, torch.Tensor]:
     """Native (unfused) names → this module's, concatenating the projections that read the layer's
-    input (q|k|v, or DeepSeek's q|kv_a) and gate|up, as the target does."""
+    input (q|k|v, or DeepSeek's q|kv_a) and gate|up (of the dense MLP or the shared experts), as
+    the target does. An MoE head's stacked experts already have the serving names."""
     out = {k: v for k, v in tensors.items() if k not in SHARED}
+    layer = spec.layer
     if isinstance(layer, DeepseekV2Config):
         fused, parts = "q_kv_a_proj", ["q_a_proj" if layer.q_lora_rank else "q_proj", "kv_a_proj_with_mqa"]
     else:
         fused, parts = "qkv_proj", ["q_proj", "k_proj", "v_proj"]
     attn = [out.pop(f"layer.self_attn.{n}.weight") for n in parts]
     out[f"layer.self_attn.{fused}.weight"] = torch.cat(attn, 0)
-    gate_up = [out.pop("layer.mlp.gate_proj.weight"), out.pop("layer.mlp.up_proj.weight")]
-    out["layer.mlp.gate_up_proj.weight"] = torch.cat(gate_up, 0)
+    mlp = "layer.mlp.shared_experts." if spec.mlp == "moe" else "layer.mlp."
+    gate_up = [out.pop(mlp + "gate_proj.weight"), out.pop(mlp + "up_proj.weight")]
+    out[mlp + "gate_up_proj.weight"] = torch.cat(gate_up, 0)
+    if spec.mlp == "moe":
+        out["layer.mlp.router.weight"] = out.pop("layer.mlp.gate.weight")
     return out
 
 
@@ -113,7 +126,7 @@ class MTPDraft(nn.Module):
         if spec.restored:
             self.enorm, self.hnorm, self.norm = RMSNorm(h, eps), RMSNorm(h, eps), RMSNorm(h, eps)
         self.fc = nn.Linear(2 * h, h, bias=not spec.restored)
-        self.layer, self.rotary = layer_of_kind(spec.layer)
+        self.layer, self.rotary = layer_of_kind(spec)
         if not spec.restored:
             self.layer.input_layernorm = nn.Identity()
 
@@ -123,9 +136,7 @@ class MTPDraft(nn.Module):
         weight = target.embed_tokens.weight
         with torch.device("meta"):
             draft = cls(spec)
-        state = {
-            k: v.to(weight.device, weight.dtype) for k, v in fuse_head_state(tensors, spec.layer).items()
-        }
+        state = ds.placed(fuse_head_state(tensors, spec), weight.device, weight.dtype)
         draft.load_state_dict(state, strict=True, assign=True)
         draft.rotary = type(draft.rotary)(spec.layer).to(weight.device)  # fp32 frequencies whatever the dtype
         draft.share(target, tensors)
@@ -189,11 +200,12 @@ class MTPDraft(nn.Module):
         return self.lm_head(z).float()
 
 
-def layer_of_kind(cfg: TargetConfig) -> tuple[nn.Module, nn.Module]:
+def layer_of_kind(spec: HeadSpec) -> tuple[nn.Module, nn.Module]:
     """The head's decoder layer and rotary table, of the target's kind. A DeepSeek-kind head's MLP
-    is dense (`intermediate_size` wide), as `mtp_train.heads` trains it."""
+    is dense (`intermediate_size` wide) or the target's MoE block, as `mtp_train.heads` trains it."""
+    cfg = spec.layer
     if isinstance(cfg, DeepseekV2Config):
-        return ds.DecoderLayer(cfg, moe=False), ds.Rotary(cfg)
+        return ds.DecoderLayer(cfg, moe=spec.mlp == "moe"), ds.Rotary(cfg)
     return DecoderLayer(cfg), Rotary(cfg)
 
 

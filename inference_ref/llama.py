@@ -34,7 +34,20 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-class Rotary(nn.Module):
+class Fp32Frequencies(nn.Module):
+    """A rotary module whose `inv_freq` buffer stays fp32 whatever the module is cast to:
+    `.to(bfloat16)`, `.bfloat16()` and DeepSpeed's bf16 engine would round the frequencies, so a
+    head trained or validated in bf16 would rotate by other angles than the fp32 serving code
+    (off by a large fraction of a turn at position 4000). Only the device follows the cast."""
+
+    def _apply(self, fn, recurse=True):
+        kept = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = kept.to(self.inv_freq.device)
+        return self
+
+
+class Rotary(Fp32Frequencies):
     """cos/sin tables for given positions, in the `rotate_half` convention."""
 
     def __init__(self, cfg: LlamaConfig):

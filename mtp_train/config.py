@@ -20,6 +20,10 @@ class ModelConfig:
     `model_type`), a Llama `.gguf` file, or `smollm2-135m-instruct` (demo)."""
     variant: str = "rmsnorm-restored"
     """Head architecture: `rmsnorm-restored` (default) or `eagle1` (the EAGLE paper's head, for ablations)."""
+    head_mlp: str = "dense"
+    """MLP of the head's decoder layer on a DeepSeek-V2 target: `dense` (SwiGLU of the target's
+    `intermediate_size`) or `moe` (the target's MoE block: router, routed and shared experts).
+    Llama targets have only `dense`."""
     dtype: str = "auto"
     """Compute dtype for the target and the frozen lm_head: `auto` (bf16 on CUDA and on CPUs with
     native bf16 matrix units, else fp32), `bfloat16`, `float32`. Head parameters stay fp32."""

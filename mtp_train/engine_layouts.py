@@ -147,8 +147,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # block has the target's MoE. The block's MLP kind: vLLM's DeepseekV2DecoderLayer takes its layer index
 # from the prefix (N) and builds a MoE only if `N >= first_k_dense_replace` (and N % moe_layer_freq == 0),
 # else a dense DeepseekV2MLP of `intermediate_size`; so a head with a dense MLP (this project's default)
-# is exported with `first_k_dense_replace = N + 1`. SGLang's DeepseekV2DecoderLayer makes every NextN
-# layer sparse (`_is_layer_sparse` returns True for is_nextn): it cannot load a dense-MLP head.
+# is exported with `first_k_dense_replace = N + 1`, and a head with the MoE block (`head_mlp: moe`)
+# keeps the target's value, so both engines build layer N as the MoE it is. SGLang's
+# DeepseekV2DecoderLayer makes every NextN layer sparse (`_is_layer_sparse` returns True for
+# is_nextn): it cannot load a dense-MLP head, only an MoE one.
 DEEPSEEK_MTP_OWN: Symbolic = {
     "enorm.weight": ("H",),
     "hnorm.weight": ("H",),
@@ -190,6 +192,12 @@ DEEPSEEK_EXPERT: Symbolic = {
     "mlp.experts.{e}.down_proj.weight": ("H", "MI"),
 }
 DEEPSEEK_NOAUX: Symbolic = {"mlp.gate.e_score_correction_bias": ("E",)}  # V3 routing (topk_method noaux_tc)
+# The routed experts stacked, as a native MoE head holds them (transformers 5.x's in-memory layout,
+# gate rows before up rows); `unstack_experts` writes them one per expert for the engines.
+DEEPSEEK_STACKED_EXPERTS: Symbolic = {
+    "mlp.experts.gate_up_proj": ("E", "2MI", "H"),
+    "mlp.experts.down_proj": ("E", "H", "MI"),
+}
 
 
 def deepseek_dims(hf: Mapping) -> dict[str, int]:
@@ -208,6 +216,7 @@ def deepseek_dims(hf: Mapping) -> dict[str, int]:
         "NV": n * hf["v_head_dim"],
         "E": hf.get("n_routed_experts") or 0,
         "MI": hf.get("moe_intermediate_size") or 0,
+        "2MI": 2 * (hf.get("moe_intermediate_size") or 0),
         "SI": (hf.get("moe_intermediate_size") or 0) * (hf.get("n_shared_experts") or 0),
     }
 
@@ -229,6 +238,11 @@ def deepseek_attention_symbolic(hf: Mapping) -> Symbolic:
 def deepseek_dense_block(hf: Mapping) -> Symbolic:
     """A DeepSeek decoder layer with a dense MLP (a DeepSeek-kind head's layer)."""
     return {**deepseek_attention_symbolic(hf), **DEEPSEEK_DENSE_MLP}
+
+
+def deepseek_moe_block(hf: Mapping) -> Symbolic:
+    """A DeepSeek decoder layer with the target's MoE block, experts stacked (a native MoE head's layer)."""
+    return {**deepseek_attention_symbolic(hf), **DEEPSEEK_MOE, **DEEPSEEK_STACKED_EXPERTS}
 
 
 def deepseek_layer_symbolic(hf: Mapping, layer: int) -> Symbolic:
@@ -266,13 +280,29 @@ DEEPSEEK_RENAME = {
 
 
 def to_deepseek_mtp(tensors: Mapping[str, torch.Tensor], num_hidden_layers: int) -> dict[str, torch.Tensor]:
-    """Rename a rmsnorm-restored head's tensors into the DeepSeek MTP layer `model.layers.{N}`."""
+    """Rename a rmsnorm-restored head's tensors into the DeepSeek MTP layer `model.layers.{N}`,
+    stacked experts written one per expert and projection."""
     prefix = f"model.layers.{num_hidden_layers}."
     out = {}
     for name, t in tensors.items():
         inner = name[len("layer.") :] if name.startswith("layer.") else DEEPSEEK_RENAME[name]
-        out[prefix + inner] = t
+        if inner in DEEPSEEK_STACKED_EXPERTS:
+            out.update({prefix + n: w for n, w in unstack_experts(inner, t).items()})
+        else:
+            out[prefix + inner] = t
     return out
+
+
+def unstack_experts(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`mlp.experts.gate_up_proj` [E, 2I, H] or `mlp.experts.down_proj` [E, H, I] → one tensor per
+    expert and projection, as checkpoints store them and the engines' loaders read them."""
+    if name == "mlp.experts.down_proj":
+        return {f"mlp.experts.{e}.down_proj.weight": w.contiguous() for e, w in enumerate(t)}
+    return {
+        f"mlp.experts.{e}.{proj}.weight": w.contiguous()
+        for e, expert in enumerate(t)
+        for proj, w in zip(("gate_proj", "up_proj"), expert.chunk(2, dim=0))
+    }
 
 
 def deepseek_mtp_export(

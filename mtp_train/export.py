@@ -3,7 +3,7 @@
 Native format, one directory (the contract inference_ref/draft.py reads; docs/export.md has the spec):
     head.safetensors   the head's own tensors under MTPHead's state_dict names
                        (+ embed_tokens.weight, lm_head.weight when stored rather than shared)
-    config.json        format, version, architecture, variant, dtype, sizes, the target's layer
+    config.json        format, version, architecture, variant, mlp, dtype, sizes, the target's layer
                        config, what is shared with the target, the target's identity, training metadata
 
     python -m mtp_train.export model=llama3_1_8b export.formats=[native,eagle1]
@@ -34,6 +34,7 @@ from mtp_train.engine_layouts import (
     check_layout,
     deepseek_dense_block,
     deepseek_dims,
+    deepseek_moe_block,
     llama_dims,
     resolve,
 )
@@ -65,17 +66,19 @@ NATIVE_OWN: dict[str, Symbolic] = {
 NATIVE_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "lm_head.weight": ("V", "H")}
 
 
-def native_layer(target: TargetConfig) -> tuple[Symbolic, dict[str, int]]:
-    """The decoder layer's names (under `layer.`) and shape symbols for a target of this kind."""
-    if target.model_type == "deepseek_v2":
-        hf = target.to_hf()
-        block = {n: s for n, s in deepseek_dense_block(hf).items() if n != "input_layernorm.weight"}
+def native_layer(cfg: HeadConfig) -> tuple[Symbolic, dict[str, int]]:
+    """The decoder layer's names (under `layer.`) and shape symbols for a target of this kind,
+    with the head's MLP (an MoE head's experts stacked)."""
+    if cfg.kind == "deepseek_v2":
+        hf = cfg.target.to_hf()
+        full = deepseek_moe_block(hf) if cfg.mlp == "moe" else deepseek_dense_block(hf)
+        block = {n: s for n, s in full.items() if n != "input_layernorm.weight"}
         return block, deepseek_dims(hf)
-    return LLAMA_BLOCK, llama_dims(target)
+    return LLAMA_BLOCK, llama_dims(cfg.target)
 
 
 def native_table(cfg: HeadConfig, store_shared: bool) -> dict[str, tuple[int, ...]]:
-    block, dims = native_layer(cfg.target)
+    block, dims = native_layer(cfg)
     symbolic = {
         **NATIVE_OWN[cfg.variant],
         **{f"layer.{name}": shape for name, shape in block.items()},
@@ -118,6 +121,7 @@ def head_config(
         "format_version": FORMAT_VERSION,
         "architecture": ARCHITECTURES[head.cfg.kind],
         "variant": head.cfg.variant,
+        "mlp": head.cfg.mlp,
         "dtype": str(dtype).removeprefix("torch."),
         "hidden_size": t.hidden_size,
         "vocab_size": t.vocab_size,
@@ -236,7 +240,9 @@ def _load_head(head_dir: Path, target_dir: Path, identity: dict) -> MTPHead:
     config = read_head_config(head_dir)
     target = read_target_config(target_dir)
     check_head_matches_target(config, head_dir, target, identity)
-    head = MTPHead(HeadConfig(config["variant"], target), frozen_target_tensors(target_dir))
+    # "mlp" is absent from heads written before the MoE option: those are dense.
+    head_cfg = HeadConfig(config["variant"], target, config.get("mlp", "dense"))
+    head = MTPHead(head_cfg, frozen_target_tensors(target_dir))
     tensors = load_file(str(head_dir / WEIGHTS))
     for name in SHARED:  # stored copies of the target's own tensors: the target's are used
         tensors.pop(name, None)

@@ -8,8 +8,9 @@ eagle1 (ablation, the EAGLE paper's head):
     y = layer(x) without input_layernorm;  z = y;  logits = lm_head(y)
 
 `layer` is one decoder layer of the target's kind: Llama attention, or for a DeepSeek-V2 target
-multi-head latent attention (MLA) with the target's dimensions and a dense SwiGLU MLP of the
-target's `intermediate_size` (the width of its dense layers), under the DeepSeek checkpoint's names.
+multi-head latent attention (MLA) with the target's dimensions and by default a dense SwiGLU MLP of
+the target's `intermediate_size` (the width of its dense layers), under the DeepSeek checkpoint's
+names; with `mlp="moe"` the target's MoE block instead (see `HeadMoE`).
 
 The embeddings, final norm and lm_head are the target's, frozen, and held as buffers so they
 are in no optimizer and no checkpoint. Parameter names are the native export format's.
@@ -30,6 +31,7 @@ from inference_ref.target import TargetConfig
 from mtp_train.head_attention import Segments, head_attention
 
 VARIANTS = ("rmsnorm-restored", "eagle1")
+MLPS = ("dense", "moe")
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,19 @@ class HeadConfig:
     """`rmsnorm-restored` or `eagle1`."""
     target: TargetConfig
     """The target's config: the head's layer is one layer of this shape and kind."""
+    mlp: str = "dense"
+    """The layer's MLP: `dense`, or `moe` (the target's MoE block; DeepSeek-V2 targets only)."""
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"model.variant: {self.variant!r} is not one of {VARIANTS}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"model.head_mlp: {self.mlp!r} is not one of {MLPS}")
+        if self.mlp == "moe" and not isinstance(self.target, ds.DeepseekV2Config):
+            raise ValueError(
+                f"model.head_mlp: 'moe' builds the target's MoE block, but this target is "
+                f"{self.target.model_type}, whose layers have no experts: use 'dense'"
+            )
 
     @property
     def restored(self) -> bool:
@@ -122,25 +133,52 @@ ATTENTION = {"llama": HeadAttention, "deepseek_v2": LatentHeadAttention}
 
 
 class HeadMLP(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class HeadMoE(nn.Module):
+    """The target's MoE block, trainable: router `gate` [E, H] (softmax, greedy or group-limited
+    top-k, × routed_scaling_factor, as the target routes), routed experts stacked as gate|up
+    [E, 2I, H] and down [E, H, I], and the shared experts as one MLP n_shared × I wide.
+
+    Router and experts are the serving modules themselves, so training cannot route differently
+    from serving. Both are differentiable: the routing weights are softmax scores gathered at the
+    top-k (the router learns through them), and the tokens, sorted by expert, go through torch's
+    grouped matmul, which has a backward (or through its per-expert fallback, which has one too)."""
+
+    def __init__(self, cfg: ds.DeepseekV2Config):
+        super().__init__()
+        self.gate = ds.Router(cfg)  # the checkpoint's name for the router
+        self.experts = ds.Experts(cfg)
+        self.shared_experts = HeadMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x):
+        """x [T, H] (packed tokens)."""
+        return self.experts(x, *self.gate(x)) + self.shared_experts(x)
+
+
+def head_mlp(cfg: TargetConfig, mlp: str) -> nn.Module:
+    if mlp == "moe":
+        return HeadMoE(cfg)
+    return HeadMLP(cfg.hidden_size, cfg.intermediate_size)
+
+
 class HeadLayer(nn.Module):
     """One decoder layer of the target's kind; eagle1 drops the input norm."""
 
-    def __init__(self, cfg: TargetConfig, input_norm: bool):
+    def __init__(self, cfg: TargetConfig, input_norm: bool, mlp: str = "dense"):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
         self.self_attn = ATTENTION[cfg.model_type](cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = HeadMLP(cfg)
+        self.mlp = head_mlp(cfg, mlp)
 
     def forward(self, x, positions, batch: Segments, kv: list):
         x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv)
@@ -158,18 +196,19 @@ class MTPHead(nn.Module):
             self.hnorm = RMSNorm(h, t.rms_norm_eps)
             self.norm = RMSNorm(h, t.rms_norm_eps)
         self.fc = nn.Linear(2 * h, h, bias=not cfg.restored)
-        self.layer = HeadLayer(t, input_norm=cfg.restored)
+        self.layer = HeadLayer(t, input_norm=cfg.restored, mlp=cfg.mlp)
         self.register_buffer("embed_weight", frozen["model.embed_tokens.weight"], persistent=False)
         self.register_buffer("final_norm_weight", frozen["model.norm.weight"], persistent=False)
         self.register_buffer("lm_head_weight", frozen["lm_head.weight"], persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Norms start at the target's final norm (z lives where final_norm(h) does); linears small."""
+        """Norms start at the target's final norm (z lives where final_norm(h) does); linears, the
+        router and the stacked experts small."""
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
-            elif p.dim() == 2:
+            elif p.dim() >= 2:
                 nn.init.normal_(p, std=0.02)
             else:
                 nn.init.zeros_(p)

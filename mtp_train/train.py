@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from inference_ref.target import frozen_target_tensors, read_target_config
 from mtp_train import checkpoint
 from mtp_train.batching import DraftBatch, MicroBatchPlan, collate, prefetched
-from mtp_train.config import RunConfig, TrainConfig
+from mtp_train.config import ModelConfig, RunConfig, TrainConfig
 from mtp_train.heads import HeadConfig, MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.progress import Progress
@@ -33,10 +33,10 @@ from mtp_train.targets import model_dtype, resolve_target, target_identity
 from mtp_train.validate import DuringTraining
 
 
-def build_head(variant: str, target_dir: Path, frozen_dtype: torch.dtype) -> MTPHead:
+def build_head(model: ModelConfig, target_dir: Path, frozen_dtype: torch.dtype) -> MTPHead:
     """A fresh head on the target's frozen embeddings, final norm and lm_head (read by name only)."""
     frozen = {k: v.to(frozen_dtype) for k, v in frozen_target_tensors(target_dir).items()}
-    return MTPHead(HeadConfig(variant, read_target_config(target_dir)), frozen)
+    return MTPHead(HeadConfig(model.variant, read_target_config(target_dir), model.head_mlp), frozen)
 
 
 def check_store(store: Store, head: MTPHead, identity: dict) -> None:
@@ -103,7 +103,7 @@ def train(cfg: RunConfig) -> Path:
     dtype = model_dtype(cfg.model.dtype, acc.device)
 
     store = Store(tc.store_dir)
-    head = build_head(cfg.model.variant, target_dir, dtype)
+    head = build_head(cfg.model, target_dir, dtype)
     check_store(store, head, identity)
     objective = DraftObjective(head, LossWeights(tc.w_p, tc.w_h), tc.loss_chunk_logits, tc.unroll_decay)
     optimizer = torch.optim.AdamW(

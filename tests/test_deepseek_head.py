@@ -1,6 +1,7 @@
-"""The DeepSeek-kind head (an MLA layer) on DeepSeek-V2 targets: the training module against the
-serving draft, the speculative loop against the target alone, the whole pipeline on a tiny random
-DeepSeek-V2, and heads refused by a target of the other kind."""
+"""The DeepSeek-kind head (an MLA layer, dense MLP or the target's MoE block) on DeepSeek-V2 targets:
+the training module against the serving draft, the speculative loop against the target alone, the
+whole pipeline on a tiny random DeepSeek-V2, the MoE head's training step and engine export, and
+heads refused by a target of the other kind."""
 
 from __future__ import annotations
 
@@ -16,15 +17,17 @@ from safetensors.torch import load_file
 import mtp_train.export as ex
 from inference_ref import deepseek_v2 as ds
 from inference_ref.deepseek_v2 import DeepseekV2Config, DeepseekV2Model
-from inference_ref.draft import MTPDraft, load_draft
+from inference_ref.draft import HeadSpec, MTPDraft, load_draft
 from inference_ref.generate import at_positions, generate
 from inference_ref.llama import cu_seqlens_of, packed_positions
 from inference_ref.speculative import speculative_generate
 from inference_ref.target import frozen_target_tensors, load_target, read_target_config
-from mtp_train.engine_layouts import check_layout, deepseek_mtp_table
+from mtp_train.batching import collate
+from mtp_train.engine_layouts import check_layout, deepseek_is_moe, deepseek_mtp_table
 from mtp_train.export import export
 from mtp_train.head_attention import Segments
 from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.precompute import run_precompute
 from mtp_train.targets import TINY, target_identity, write_random_target
 from mtp_train.train import train
@@ -32,6 +35,7 @@ from mtp_train.validate import run_validation
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ["rmsnorm-restored", "eagle1"]
+MLPS = ["dense", "moe"]
 CONFIGS = {
     "lite": DeepseekV2Config(vocab_size=256, **TINY["deepseek_v2"]),
     "q-lora": DeepseekV2Config(vocab_size=256, **TINY["deepseek_v2"], q_lora_rank=24),
@@ -46,10 +50,12 @@ def frozen_of(target: DeepseekV2Model) -> dict[str, torch.Tensor]:
     }
 
 
-def random_head(target: DeepseekV2Model, variant: str, seed: int = 0, scale: float = 0.1) -> MTPHead:
+def random_head(
+    target: DeepseekV2Model, variant: str, seed: int = 0, scale: float = 0.1, mlp: str = "dense"
+) -> MTPHead:
     """Every trainable tensor random (norms around 1), so each part of the math shows in the output."""
     torch.manual_seed(seed)
-    head = MTPHead(HeadConfig(variant, target.cfg), frozen_of(target))
+    head = MTPHead(HeadConfig(variant, target.cfg, mlp), frozen_of(target))
     with torch.no_grad():
         for name, p in head.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
@@ -69,9 +75,10 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 # ---------------------------------------------------------------- train/serve parity of the head
 
 
+@pytest.mark.parametrize("mlp", MLPS)
 @pytest.mark.parametrize("shape", list(CONFIGS))
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_teacher_forced_logits_equal_training_head(variant, shape, tmp_path):
+def test_teacher_forced_logits_equal_training_head(variant, shape, mlp, tmp_path):
     """Draft prefill (latent cache, absorbed weights) on a batch = MTPHead (per-head K/V, packed), fp32."""
     target = ds.random_deepseek_v2(CONFIGS[shape], seed=0)
     g = torch.Generator().manual_seed(0)
@@ -80,7 +87,7 @@ def test_teacher_forced_logits_equal_training_head(variant, shape, tmp_path):
     cu = cu_seqlens_of(lengths)
     hidden, _ = target.forward_packed(torch.cat(seqs), cu)
     next_tokens = torch.cat([torch.cat([s[1:], s[:1]]) for s in seqs])  # last one arbitrary
-    head = random_head(target, variant)
+    head = random_head(target, variant, mlp=mlp)
     with torch.no_grad():
         ref_y = head(hidden.clone(), next_tokens[None], packed_positions(cu, len(hidden)), Segments(cu, 33))[
             0
@@ -98,8 +105,9 @@ def test_teacher_forced_logits_equal_training_head(variant, shape, tmp_path):
     assert rel_err(draft.logits(y), head.logits(head.output_state(ref_y))) <= 1e-4
 
 
+@pytest.mark.parametrize("mlp", MLPS)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_chained_steps_equal_training_head(variant, tmp_path):
+def test_chained_steps_equal_training_head(variant, mlp, tmp_path):
     """Chained drafting from several bases at once (shifted latent cache) = MTPHead's unrolled steps."""
     target = ds.random_deepseek_v2(CONFIGS["lite"], seed=1)
     steps, n = 3, 16
@@ -107,7 +115,7 @@ def test_chained_steps_equal_training_head(variant, tmp_path):
     cu = cu_seqlens_of([n])
     hidden, _ = target.forward_packed(seq[:n], cu)
     tokens = torch.stack([seq[1 + j : n + 1 + j] for j in range(steps)])
-    head = random_head(target, variant, seed=1)
+    head = random_head(target, variant, seed=1, mlp=mlp)
     with torch.no_grad():
         ref_y = head(hidden.clone(), tokens, packed_positions(cu, n), Segments(cu, n), steps)
         ref_logits = head.logits(head.output_state(ref_y))
@@ -127,7 +135,9 @@ def test_chained_steps_equal_training_head(variant, tmp_path):
 # ---------------------------------------------------------------- greedy: identical to the target alone
 
 
-def bigram_pair(tmp_path: Path, context: float = 0.03) -> tuple[DeepseekV2Model, MTPDraft]:
+def bigram_pair(
+    tmp_path: Path, context: float = 0.03, mlp: str = "dense"
+) -> tuple[DeepseekV2Model, MTPDraft]:
     """A 64-token DeepSeek-V2 that is mostly a bigram model (large embeddings, small attention and
     MLP outputs), and a head whose fc passes the token's embedding through: a good, imperfect draft."""
     shape = {**TINY["deepseek_v2"], "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16}
@@ -139,18 +149,19 @@ def bigram_pair(tmp_path: Path, context: float = 0.03) -> tuple[DeepseekV2Model,
             if name.endswith("o_proj.weight") or "down_proj" in name:
                 p.normal_(0, context)
     torch.manual_seed(1)
-    head = MTPHead(HeadConfig("rmsnorm-restored", target.cfg), frozen_of(target))
+    head = MTPHead(HeadConfig("rmsnorm-restored", target.cfg, mlp), frozen_of(target))
     with torch.no_grad():
         for p in head.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.normal_(0, 0.03)
         head.fc.weight[:, :32] += torch.eye(32)
     return target, serve(head, target, tmp_path)
 
 
-def test_greedy_speculative_equals_target_alone(tmp_path):
+@pytest.mark.parametrize("mlp", MLPS)
+def test_greedy_speculative_equals_target_alone(mlp, tmp_path):
     """Rows accept different numbers of tokens per step: per-row commits of both latent caches."""
-    target, draft = bigram_pair(tmp_path)
+    target, draft = bigram_pair(tmp_path, mlp=mlp)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 17, 1, 6, 30)]
     eos = [5]
@@ -254,3 +265,99 @@ def test_a_head_for_another_kind_of_target_is_refused(tiny_deepseek, tiny_target
         load_draft(heads["llama"], load_target(tiny_deepseek))
     with pytest.raises(ValueError, match="trained for a deepseek_v2 target .*this target is llama"):
         load_draft(heads["deepseek_v2"], load_target(tiny_target))
+
+
+# ---------------------------------------------------------------- the MoE option (model.head_mlp=moe)
+
+
+def test_moe_head_trains_its_experts_and_router(tiny_deepseek):
+    """One step of the training objective (2 chained steps) on the tiny target: the loss is finite,
+    every part of the MoE block gets a gradient, and the grouped matmul's backward equals a
+    per-expert loop's."""
+    target = load_target(tiny_deepseek)
+    head = MTPHead(HeadConfig("rmsnorm-restored", target.cfg, "moe"), frozen_target_tensors(tiny_deepseek))
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for n in (19, 12):
+        ids = torch.randint(0, target.cfg.vocab_size, (n,), generator=g)
+        hidden, _ = target.forward_packed(ids, cu_seqlens_of([n]))
+        samples.append((ids, torch.ones(n, dtype=torch.bool), hidden))
+    objective = DraftObjective(head, LossWeights(), 2**27, 0.8)
+    loss, metrics = objective(collate(samples, steps=2))
+    loss.backward()
+    assert math.isfinite(loss.item()) and metrics["step2/count"] > 0
+    mlp = head.layer.mlp
+    for name, p in mlp.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+    x = torch.randn(40, target.cfg.hidden_size, requires_grad=True)
+    grads = []
+    for linear in (ds.grouped_linear, ds.grouped_linear_loop):
+        mlp.zero_grad()
+        x.grad = None
+        (mlp.experts(x, *mlp.gate(x), linear=linear) * torch.linspace(-1, 1, 64)).sum().backward()
+        grads.append(
+            [x.grad, mlp.gate.weight.grad, mlp.experts.gate_up_proj.grad, mlp.experts.down_proj.grad]
+        )
+    for grouped, loop in zip(*grads):
+        assert torch.allclose(grouped, loop, rtol=1e-4, atol=1e-6)
+
+
+def test_moe_head_exports_to_deepseek_mtp_as_an_moe_layer(tiny_deepseek, tmp_path):
+    """Native (stacked experts, `"mlp": "moe"`) → deepseek_mtp: one tensor per expert under the
+    engines' names, and first_k_dense_replace left as the target has it, so vLLM and SGLang build
+    layer N as MoE."""
+    target = read_target_config(tiny_deepseek)
+    torch.manual_seed(0)
+    head = MTPHead(HeadConfig("rmsnorm-restored", target, "moe"), frozen_target_tensors(tiny_deepseek))
+    ex.save_head(head, tmp_path / "head", target_identity(tiny_deepseek), {}, torch.float32)
+    overrides = [
+        "model=tiny_deepseek_v2",
+        f"model.target={tiny_deepseek}",
+        f"run_dir={tmp_path}",
+        f"export.checkpoint={tmp_path / 'head'}",
+        "export.formats=[native,deepseek_mtp]",
+        "export.dtype=float32",
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+        written = export(compose("config", overrides=overrides))
+    assert json.loads((written["native"] / "config.json").read_text())["mlp"] == "moe"
+    native = load_file(written["native"] / "head.safetensors")
+    tensors = load_file(written["deepseek_mtp"] / "model.safetensors")
+    config = json.loads((written["deepseek_mtp"] / "config.json").read_text())
+    check_layout(tensors, deepseek_mtp_table(config, store_shared=False), "deepseek_mtp")
+    assert config["first_k_dense_replace"] == target.first_k_dense_replace == 1
+    assert deepseek_is_moe(config, config["num_hidden_layers"])
+    p, i = "model.layers.2.mlp.", target.moe_intermediate_size
+    gate_up, down = native["layer.mlp.experts.gate_up_proj"], native["layer.mlp.experts.down_proj"]
+    assert gate_up.shape == (4, 2 * i, 64) and not any(".experts.gate_up_proj" in n for n in tensors)
+    assert torch.equal(tensors[p + "experts.3.gate_proj.weight"], gate_up[3, :i])
+    assert torch.equal(tensors[p + "experts.3.up_proj.weight"], gate_up[3, i:])
+    assert torch.equal(tensors[p + "experts.1.down_proj.weight"], down[1])
+    assert torch.equal(tensors[p + "gate.weight"], native["layer.mlp.gate.weight"])
+    assert torch.equal(
+        tensors[p + "shared_experts.up_proj.weight"], native["layer.mlp.shared_experts.up_proj.weight"]
+    )
+
+
+def test_moe_option_refused_on_llama_and_unknown_values(tiny_target):
+    llama = read_target_config(tiny_target)
+    with pytest.raises(ValueError, match="head_mlp: 'moe' .* this target is llama"):
+        HeadConfig("rmsnorm-restored", llama, "moe")
+    with pytest.raises(ValueError, match="head_mlp: 'sparse' is not one of"):
+        HeadConfig("rmsnorm-restored", CONFIGS["lite"], "sparse")
+    layer = {"format": ex.FORMAT, "format_version": ex.FORMAT_VERSION, "variant": "rmsnorm-restored"}
+    with pytest.raises(ValueError, match="mlp 'moe' is not one of"):
+        HeadSpec.from_config(
+            {**layer, "architecture": "LlamaMTPHead", "layer_config": llama.to_hf(), "mlp": "moe"}
+        )
+
+
+def test_the_trainer_builds_the_configured_mlp(tiny_deepseek):
+    from mtp_train.train import build_head
+
+    overrides = ["model=tiny_deepseek_v2", f"model.target={tiny_deepseek}", "model.head_mlp=moe"]
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+        cfg = compose("config", overrides=overrides)
+    head = build_head(cfg.model, tiny_deepseek, torch.float32)
+    assert head.cfg.mlp == "moe" and "layer.mlp.experts.gate_up_proj" in dict(head.named_parameters())

@@ -109,6 +109,7 @@ def test_native_names_and_config_are_the_contract(tiny_target, identity, tmp_pat
         "format_version": 1,
         "architecture": "LlamaMTPHead",
         "variant": "rmsnorm-restored",
+        "mlp": "dense",
         "dtype": "bfloat16",
         "hidden_size": h,
         "vocab_size": head.cfg.target.vocab_size,

@@ -175,3 +175,25 @@ def test_micro_batch_plan_is_deterministic_and_covers_every_sample():
     assert sorted(seen) == list(range(200))
     assert all(plan.samples(g) == again.samples(g) for g in range(plan.per_epoch + 5))
     assert all(sum(lengths[plan.samples(g)]) <= 128 for g in range(plan.per_epoch))
+
+
+def test_rope_frequencies_stay_fp32_when_the_head_is_cast_to_bf16():
+    """DeepSpeed's bf16 engine and validation cast the whole head: the angles must not move."""
+    from inference_ref.config import LlamaConfig
+    from inference_ref.llama import Rotary
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rope_theta=500000.0,
+    )
+    exact, cast = Rotary(cfg), Rotary(cfg).to(torch.bfloat16)
+    assert cast.inv_freq.dtype == torch.float32
+    positions = torch.tensor([4000, 30000])
+    for a, b in zip(exact(positions, torch.float32), cast(positions, torch.float32)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
