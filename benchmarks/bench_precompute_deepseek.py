@@ -14,7 +14,13 @@ import torch
 from benchmarks.bench_precompute import packed_batches, padded_batches, run_hf, run_ours
 from benchmarks.common import DEEPSEEK_V2_LITE, DEVICE, DTYPE, lognormal_lengths, write_result
 from inference_ref.attention import packed_kernel
-from inference_ref.deepseek_v2 import DeepseekV2Config, DeepseekV2Model, Rotary, grouped_kernel, hf_state_dict
+from inference_ref.deepseek_v2 import (
+    DeepseekV2Config,
+    DeepseekV2Model,
+    grouped_kernel,
+    hf_state_dict,
+    random_deepseek_v2,
+)
 from inference_ref.llama import cu_seqlens_of
 
 
@@ -29,25 +35,6 @@ def active_flops_per_token(cfg: DeepseekV2Config) -> float:
     moe += h * cfg.n_routed_experts
     per_layer = [attn + (moe if cfg.is_moe(i) else dense) for i in range(cfg.num_hidden_layers)]
     return 2.0 * sum(per_layer)
-
-
-def random_on_device(cfg: DeepseekV2Config) -> DeepseekV2Model:
-    """Random weights made on the GPU in bf16 (15.7B parameters: the CPU path would take minutes)."""
-    torch.manual_seed(0)
-    torch.set_default_dtype(DTYPE)
-    with torch.device(DEVICE):
-        model = DeepseekV2Model(cfg)
-    torch.set_default_dtype(torch.float32)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            torch.nn.init.normal_(p, mean=1.0, std=0.1)
-        else:
-            torch.nn.init.normal_(p, std=0.02)
-    for layer in model.layers:  # the router runs in fp32, as transformers keeps it
-        if hasattr(layer.mlp, "router"):
-            layer.mlp.router.float()
-    model.rotary = Rotary(cfg).to(DEVICE)
-    return model.eval().requires_grad_(False)
 
 
 def hf_copy(model: DeepseekV2Model):
@@ -87,7 +74,7 @@ def main() -> None:
     args = p.parse_args()
     hf_cfg = dict(DEEPSEEK_V2_LITE, **({} if args.layers is None else {"num_hidden_layers": args.layers}))
     cfg = DeepseekV2Config.from_hf(hf_cfg)
-    model = random_on_device(cfg)
+    model = random_deepseek_v2(cfg, DEVICE, DTYPE)
     hf = hf_copy(model)
     lengths = lognormal_lengths(args.tokens)
     g = torch.Generator().manual_seed(0)

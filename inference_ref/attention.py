@@ -99,6 +99,17 @@ def _sdpa_per_sequence(q, k, v, cu_seqlens):
     return out
 
 
+def cache_slots(
+    lengths: torch.Tensor, max_len: int, new: int, static: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, new] the next `new` tokens of each row take after its `lengths[b]` committed
+    entries, and their attention mask. `static` attends over the whole cache (masked) instead of
+    the longest row: no host sync and fixed shapes, as a CUDA graph needs."""
+    slots = lengths[:, None] + torch.arange(new, device=lengths.device)
+    key_len = max_len if static else min(int(slots.max()) + 1, max_len)
+    return slots, cache_mask(lengths, new, key_len)
+
+
 def cache_mask(lengths: torch.Tensor, new: int, key_len: int) -> torch.Tensor:
     """[B, 1, new, key_len] bool: query s of row b sees keys 0 … lengths[b] + s."""
     keys = torch.arange(key_len, device=lengths.device)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_ref.attention import cache_mask, packed_causal_attention
+from inference_ref.attention import cache_slots, packed_causal_attention
 from inference_ref.llama import Fp32Frequencies, RMSNorm, packed_positions
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, read_tensors, safetensors_files
 
@@ -409,10 +409,8 @@ class LatentCache:
         return LatentCache(self.kv, self.lengths + n)
 
     def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [B, new] the next `new` tokens take, and their mask (see `llama.KVCache.slots`)."""
-        slots = self.lengths[:, None] + torch.arange(new, device=self.lengths.device)
-        key_len = self.max_len if static else min(int(slots.max()) + 1, self.max_len)
-        return slots, cache_mask(self.lengths, new, key_len)
+        """Positions [B, new] the next `new` tokens take, and their mask (`attention.cache_slots`)."""
+        return cache_slots(self.lengths, self.max_len, new, static)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -748,12 +746,19 @@ def load_deepseek_v2(path: str | Path, device="cpu", dtype=torch.float32) -> Dee
 def random_deepseek_v2(
     cfg: DeepseekV2Config, device="cpu", dtype=torch.float32, seed: int = 0
 ) -> DeepseekV2Model:
-    """Random weights at a given shape (benchmarks, tiny test targets)."""
+    """Random weights at a given shape (benchmarks, tiny test targets), made on `device` in
+    `dtype` directly: V2-Lite's 15.7B parameters would take minutes to initialise on the host."""
     torch.manual_seed(seed)
-    model = DeepseekV2Model(cfg)
+    with torch.device("meta"):
+        model = DeepseekV2Model(cfg).to(dtype)
+    model.to_empty(device=device)
     for name, p in model.named_parameters():
         if "norm" in name:
             nn.init.normal_(p, mean=1.0, std=0.1)
         else:
             nn.init.normal_(p, std=0.02)
-    return build_model(cfg, model.state_dict(), device, dtype)
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.float()  # as `placed` keeps it: routing in fp32, as transformers does
+    model.rotary = Rotary(cfg).to(device)  # to_empty left its table uninitialised
+    return model.eval().requires_grad_(False)

@@ -80,19 +80,20 @@ class HeadSpec:
         return cls(config["variant"], layer, mlp)
 
 
-def check_head_fits_target(config: dict, target: TargetConfig) -> None:
+def check_head_fits_target(config: dict, target: TargetConfig, where: str = "head") -> None:
     """A head reads the target's hidden states and proposes the target's token ids, with a layer of
-    the target's kind: kind and sizes must match."""
+    the target's kind: kind and sizes must match (checked before anything large is loaded)."""
     kind = config["layer_config"].get("model_type")
     if kind != target.model_type:
         raise ValueError(
-            f"head was trained for a {kind} target ({config.get('architecture')}), this target is "
-            f"{target.model_type}"
+            f"{where} is a {config.get('architecture')} for a {kind} target, this target is "
+            f"{target.model_type}: it was trained for another kind of target"
         )
     for key in ("hidden_size", "vocab_size"):
         if config[key] != getattr(target, key):
             raise ValueError(
-                f"head was trained for a target with {key} {config[key]}, this target has {getattr(target, key)}"
+                f"{where} has {key} {config[key]}, this target has {getattr(target, key)}: "
+                "it was trained for another target"
             )
 
 

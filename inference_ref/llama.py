@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_ref.attention import cache_mask, cached_attention, packed_causal_attention
+from inference_ref.attention import cache_slots, cached_attention, packed_causal_attention
 from inference_ref.config import LlamaConfig, rope_inv_freq
 
 
@@ -43,7 +43,8 @@ class Fp32Frequencies(nn.Module):
     def _apply(self, fn, recurse=True):
         kept = self.inv_freq
         super()._apply(fn, recurse)
-        self.inv_freq = kept.to(self.inv_freq.device)
+        if not kept.is_meta:  # a module built on meta gets its table when materialised
+            self.inv_freq = kept.to(self.inv_freq.device)
         return self
 
 
@@ -165,13 +166,8 @@ class KVCache:
         return KVCache(self.k, self.v, self.lengths + n)
 
     def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [B, new] the next `new` tokens take, and the attention mask for them.
-
-        `static` attends over the whole cache (masked) instead of the longest row: no host sync
-        and fixed shapes, as a CUDA graph needs."""
-        slots = self.lengths[:, None] + torch.arange(new, device=self.lengths.device)
-        key_len = self.max_len if static else min(int(slots.max()) + 1, self.max_len)
-        return slots, cache_mask(self.lengths, new, key_len)
+        """Positions [B, new] the next `new` tokens take, and their mask (`attention.cache_slots`)."""
+        return cache_slots(self.lengths, self.max_len, new, static)
 
 
 class LlamaModel(nn.Module):

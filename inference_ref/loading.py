@@ -106,15 +106,9 @@ def build_model(
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = Rotary(cfg)
+    model.rotary = Rotary(cfg)  # its frequencies stay fp32 through the cast below
     model.to(device=device, dtype=dtype)
-    model.rotary.inv_freq = rope_table_fp32(cfg, device)
     return model.eval().requires_grad_(False)
-
-
-def rope_table_fp32(cfg: LlamaConfig, device) -> torch.Tensor:
-    # Frequencies stay fp32 whatever the weights' dtype: bf16 would shift long positions.
-    return Rotary(cfg).inv_freq.to(device)
 
 
 def load_llama(path: str | Path, device="cpu", dtype=torch.float32) -> LlamaModel:
@@ -142,5 +136,4 @@ def random_llama(cfg: LlamaConfig, device="cpu", dtype=torch.float32, seed: int 
         else:
             torch.nn.init.normal_(p, std=0.02)
     model.to(dtype=dtype)
-    model.rotary.inv_freq = rope_table_fp32(cfg, device)
     return model.eval().requires_grad_(False)  # inference only: outputs never need autograd

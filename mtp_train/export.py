@@ -25,6 +25,7 @@ import hydra
 import torch
 from safetensors.torch import load_file, save_file
 
+from inference_ref.draft import ARCHITECTURES, FORMAT, FORMAT_VERSION, check_head_fits_target
 from inference_ref.target import TargetConfig, frozen_target_tensors, read_target_config
 from mtp_train.config import RunConfig  # noqa: F401  (registers the schema Hydra composes)
 from mtp_train.engine_layouts import (
@@ -41,8 +42,6 @@ from mtp_train.engine_layouts import (
 from mtp_train.heads import HeadConfig, MTPHead
 from mtp_train.targets import check_same_target, resolve_target, target_identity
 
-FORMAT, FORMAT_VERSION = "mtp-train-head", 1
-ARCHITECTURES = {"llama": "LlamaMTPHead", "deepseek_v2": "DeepseekV2MTPHead"}  # by target kind
 WEIGHTS, CONFIG = "head.safetensors", "config.json"
 ENGINE_WEIGHTS = "model.safetensors"  # engines read every *.safetensors of the draft directory
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -215,18 +214,7 @@ def read_head_config(head_dir: str | Path) -> dict:
 
 def check_head_matches_target(config: dict, head_dir: Path, target: TargetConfig, identity: dict) -> None:
     """Refuse a head made for another target: kind and sizes first (the clearest messages), then identity."""
-    kind = config["layer_config"].get("model_type")
-    if kind != target.model_type:
-        raise ValueError(
-            f"head {head_dir} is a {config['architecture']} for a {kind} target, but the target "
-            f"{identity['path']} is {target.model_type}: it was trained for another kind of target"
-        )
-    for key in ("hidden_size", "vocab_size"):
-        if config[key] != getattr(target, key):
-            raise ValueError(
-                f"head {head_dir} has {key} {config[key]}, but the target {identity['path']} has "
-                f"{getattr(target, key)}: it was trained for another target"
-            )
+    check_head_fits_target(config, target, f"head {head_dir}")
     trained_for = config["target"].get("path")
     check_same_target(identity, config["target"], f"head {head_dir} (trained for {trained_for})")
 
