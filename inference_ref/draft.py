@@ -169,9 +169,10 @@ class MTPDraft(nn.Module):
         f = self.target_norm(state) if from_target else state
         return self.fc(torch.cat([e, f], -1))
 
-    def run_layer(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
-        """The decoder layer on x [B, S, H] placed at the cache's lengths (slot = rope position)."""
-        slots, mask = cache.slots(x.shape[1])
+    def run_layer(self, x: torch.Tensor, cache: Cache, static: bool = False) -> torch.Tensor:
+        """The decoder layer on x [B, S, H] placed at the cache's lengths (slot = rope position).
+        `static`: attend over the whole cache, masked (fixed shapes, no host sync: CUDA graphs)."""
+        slots, mask = cache.slots(x.shape[1], static)
         if isinstance(cache, LatentCache):
             cos, sin = self.rotary(slots)  # fp32, applied in fp32 as the DeepSeek target does
             return self.layer.forward_cached(x, cos, sin, cache.kv[0], slots, mask)
@@ -179,20 +180,24 @@ class MTPDraft(nn.Module):
         return self.layer.forward_cached(x, cos, sin, cache.k[0], cache.v[0], slots, mask)
 
     @torch.inference_mode()
-    def prefill(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: Cache) -> torch.Tensor:
+    def prefill(
+        self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: Cache, static: bool = False
+    ) -> torch.Tensor:
         """Entries for target states h_i [B, S, H] (pre-norm) and tokens t_{i+1} [B, S], written at
         the cache's lengths; also the refill after each verification. Does not commit: the caller
         advances `cache.lengths`. Returns the output states y [B, S, H]."""
-        return self.run_layer(self.project(hidden, next_tokens, from_target=True), cache)
+        return self.run_layer(self.project(hidden, next_tokens, from_target=True), cache, static)
 
     @torch.inference_mode()
-    def chain(self, y: torch.Tensor, token: torch.Tensor, cache: Cache, step: int) -> torch.Tensor:
+    def chain(
+        self, y: torch.Tensor, token: torch.Tensor, cache: Cache, step: int, static: bool = False
+    ) -> torch.Tensor:
         """Chained step `step` ≥ 1 from the last committed entry: reads the previous step's output
         y [B, H] and the token it drafted [B]; writes at slot `lengths − 1 + step` (scratch, never
         committed), seeing the committed entries and this chain's earlier steps. Returns y [B, H]."""
         ahead = cache.shifted(step - 1)
         x = self.project(y[:, None], token[:, None], from_target=False)
-        return self.run_layer(x, ahead)[:, 0]
+        return self.run_layer(x, ahead, static)[:, 0]
 
     @torch.inference_mode()
     def logits(self, y: torch.Tensor) -> torch.Tensor:

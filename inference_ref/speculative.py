@@ -87,9 +87,11 @@ def speculative_generate(
     k: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    graph: bool = False,
 ) -> SpecOutput:
     """Generate with the target, k ≥ 1 draft tokens per verify step; greedy at temperature 0.
-    A `generator` must be on the target's device."""
+    A `generator` must be on the target's device. `graph` (CUDA, greedy): each step is one CUDA
+    graph replay (`SpecStep`); the draft/target time split is then not measured."""
     device = target.embed_tokens.weight.device
     eos, stats = set(eos_ids), SpecStats(k)
     clock = Clock(device)
@@ -106,28 +108,83 @@ def speculative_generate(
     everyone = torch.ones_like(last, dtype=torch.bool)
     active = emit(outputs, everyone, last[:, None], torch.zeros_like(last), eos, max_new_tokens)
 
+    use_graph = graph and device.type == "cuda" and temperature == 0
+    step = SpecStep(target, draft, target_cache, draft_cache, k, temperature, generator, clock, use_graph)
+    step.start(last, y, active)
     while active.any():
-        with clock.time("draft"):
-            drafted, q = propose(draft, y, draft_cache, k, temperature, generator)
-        with clock.time("target"):
-            hidden = target.forward_cached(torch.cat([last[:, None], drafted], 1), target_cache)
-            n_accepted, last = accept(drafted, target.logits(hidden), q, temperature, generator)
+        kept, n_accepted = step()
         stats.record(n_accepted, active)
-        # A row's new tokens: the accepted d_1 … d_n, then the target's token. They are also the
-        # tokens that follow the newly committed positions, which the draft's refill reads.
-        kept = torch.cat([drafted, last[:, None]], 1)
-        kept[torch.arange(len(prompts), device=device), n_accepted] = last
-        commit = torch.where(active, n_accepted + 1, 0)
-        target_cache.lengths += commit
-        with clock.time("draft"):
-            # Refill from the target's states of the committed positions, over the chain's scratch
-            # entries (made from the draft's own states); y at the last one proposes the next d_1.
-            y = at_positions(draft.prefill(hidden, kept, draft_cache), n_accepted)
-            draft_cache.lengths += commit
         active = emit(outputs, active, kept, n_accepted, eos, max_new_tokens)
+        step.active.copy_(active)
 
     stats.draft_s, stats.target_s = clock.total["draft"], clock.total["target"]
     return SpecOutput(outputs, stats)
+
+
+class SpecStep:
+    """One speculative step for every row: the draft proposes k tokens, the target verifies them
+    in one forward, the acceptable prefix plus the target's own token are kept, both caches commit
+    them. Its state (the last token, the draft's y, which rows are active) lives in fixed buffers,
+    so that with `graph` the whole step is captured once and replayed: at small batches a step is
+    hundreds of kernel launches, which the replay turns into one."""
+
+    def __init__(self, target, draft, target_cache, draft_cache, k, temperature, generator, clock, graph):
+        self.target, self.draft, self.k = target, draft, k
+        self.target_cache, self.draft_cache = target_cache, draft_cache
+        self.temperature, self.generator, self.clock = temperature, generator, clock
+        self.graph, self.cuda_graph = graph, None
+
+    def start(self, last: torch.Tensor, y: torch.Tensor, active: torch.Tensor) -> None:
+        self.last, self.y, self.active = last.clone(), y.clone(), active.clone()
+        if self.graph:
+            self._capture()
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance every active row; returns (kept [B, k+1], n_accepted [B])."""
+        if self.cuda_graph is None:
+            return self._run(self.clock, static=False)
+        self.cuda_graph.replay()
+        return self.kept, self.n_accepted
+
+    def _run(self, clock: Clock, static: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        draft, target, tc, dc = self.draft, self.target, self.target_cache, self.draft_cache
+        with clock.time("draft"):
+            drafted, q = propose(draft, self.y, dc, self.k, self.temperature, self.generator, static)
+        with clock.time("target"):
+            hidden = target.forward_cached(torch.cat([self.last[:, None], drafted], 1), tc, static)
+            n_accepted, last = accept(drafted, target.logits(hidden), q, self.temperature, self.generator)
+        # A row's new tokens: the accepted d_1 … d_n, then the target's token. They are also the
+        # tokens that follow the newly committed positions, which the draft's refill reads.
+        kept = torch.cat([drafted, last[:, None]], 1).scatter(1, n_accepted[:, None], last[:, None])
+        commit = torch.where(self.active, n_accepted + 1, 0)
+        tc.lengths += commit
+        with clock.time("draft"):
+            # Refill from the target's states of the committed positions, over the chain's scratch
+            # entries (made from the draft's own states); y at the last one proposes the next d_1.
+            self.y.copy_(at_positions(draft.prefill(hidden, kept, dc, static), n_accepted))
+            dc.lengths += commit
+        self.last.copy_(last)
+        return kept, n_accepted
+
+    def _capture(self) -> None:
+        # Warm-up on a side stream (allocator, kernel choice) from saved state, then capture. The
+        # warm-up's cache writes land past the committed entries (scratch); lengths are restored.
+        saved = [t.clone() for t in (self.last, self.y, self.target_cache.lengths, self.draft_cache.lengths)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._run(NO_CLOCK, static=True)
+        torch.cuda.current_stream().wait_stream(side)
+        self._restore(saved)
+        self.cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.cuda_graph):  # records the step; runs nothing
+            self.kept, self.n_accepted = self._run(NO_CLOCK, static=True)
+
+    def _restore(self, saved: list[torch.Tensor]) -> None:
+        for live, value in zip(
+            (self.last, self.y, self.target_cache.lengths, self.draft_cache.lengths), saved
+        ):
+            live.copy_(value)
 
 
 def draft_prefill(
@@ -153,13 +210,14 @@ def propose(
     k: int,
     temperature: float,
     generator: torch.Generator | None,
+    static: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """k draft tokens [B, k] chained from y (the entry of the last committed position), and the
     distributions q [B, k, V] they were drawn from (None when greedy)."""
     tokens, dists = [], []
     for step in range(k):
         if step > 0:
-            y = draft.chain(y, tokens[-1], cache, step)
+            y = draft.chain(y, tokens[-1], cache, step, static)
         logits = draft.logits(y)
         if temperature == 0:
             tokens.append(logits.argmax(-1))
@@ -241,3 +299,17 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize()
         self.total[phase] += time.perf_counter() - start
+
+
+class _NoClock(Clock):
+    """Times nothing: inside a CUDA graph capture a synchronize is not allowed."""
+
+    def __init__(self):
+        self.cuda, self.total = False, {"draft": 0.0, "target": 0.0}
+
+    @contextmanager
+    def time(self, phase: str) -> Iterator[None]:
+        yield
+
+
+NO_CLOCK = _NoClock()

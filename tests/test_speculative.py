@@ -262,6 +262,19 @@ def test_greedy_equals_target_alone_with_a_good_draft(variant, tmp_path):
         assert out.stats.accept_rate[0] > 0.3 and out.stats.mean_accepted_len > 1.3
 
 
+def test_the_graph_captured_step_run_eagerly_equals_target_alone(monkeypatch, tmp_path):
+    """What a CUDA graph captures — the step with static (whole-cache, masked) attention and
+    buffers updated in place — run eagerly on the CPU, where graphs do not exist."""
+    from inference_ref.speculative import NO_CLOCK, SpecStep
+
+    monkeypatch.setattr(SpecStep, "__call__", lambda self: self._run(NO_CLOCK, static=True))
+    target = small_target()
+    draft = serve(bigram_head(target, "rmsnorm-restored"), target, tmp_path)
+    prompts = random_prompts(64, (3, 9, 17, 1, 6, 30))
+    out = speculative_generate(target, draft, prompts, 40, [5], 3)
+    assert out.tokens == generate(target, prompts, 40, [5]) and out.stats.mean_accepted_len > 1.3
+
+
 def test_greedy_equals_target_alone_with_a_random_head(tiny, tmp_path):
     draft = serve(random_head(tiny, "rmsnorm-restored", scale=0.02), tiny, tmp_path)
     prompts = random_prompts(tiny.cfg.vocab_size, (5, 12, 2, 20))
@@ -419,8 +432,12 @@ def test_cuda_loop(dtype, tmp_path):
     prompts = random_prompts(64, (3, 9, 17, 1, 6, 30))
     out = speculative_generate(target, draft, prompts, 40, [5], 3)
     assert out.stats.mean_accepted_len > 1.3 and out.stats.target_s > 0
+    graphed = speculative_generate(target, draft, prompts, 40, [5], 3, graph=True)
     if dtype == torch.float32:
-        assert out.tokens == generate(target, prompts, 40, [5])
+        assert out.tokens == generate(target, prompts, 40, [5]) == graphed.tokens
+        assert graphed.stats.accepted == out.stats.accepted
+    one = speculative_generate(target, draft, prompts[:1], 40, [5], 3, graph=True)  # batch 1
+    assert len(one.tokens[0]) > 0
 
     def sampled(seed: int):
         g = torch.Generator("cuda").manual_seed(seed)

@@ -1,0 +1,86 @@
+"""Speculative decoding against target-only decoding in wall-clock, greedy, at small batches:
+a real target, a trained head, MT-bench first turns. Target-only is `generate` (its decode step a
+CUDA graph); speculative is `speculative_generate`, eager and with each step a CUDA graph.
+Greedy outputs are compared, so a speed-up is never bought with other tokens.
+
+    python -m benchmarks.bench_speculative --target DIR --head DIR [--batch 1 8] [--k 1 2 3 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from benchmarks.common import DEVICE, DTYPE, write_result
+from inference_ref.draft import load_draft
+from inference_ref.generate import generate
+from inference_ref.speculative import speculative_generate
+from inference_ref.target import load_target
+from mtp_train.data import load_prompts, prompt_ids
+
+
+def timed_tokens(fn) -> tuple[list[list[int]], float]:
+    torch.cuda.synchronize() if DEVICE == "cuda" else None
+    start = time.perf_counter()
+    tokens = fn()
+    torch.cuda.synchronize() if DEVICE == "cuda" else None
+    return tokens, time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--target", required=True)
+    p.add_argument("--head", required=True)
+    p.add_argument("--prompts", default="data/mt_bench.jsonl")
+    p.add_argument("--num", type=int, default=16, help="prompts (first turns)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--new", type=int, default=256)
+    args = p.parse_args()
+    target = load_target(args.target, DEVICE, DTYPE)
+    draft = load_draft(args.head, target)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
+    prompts = prompt_ids(tokenizer, [q.turns[0] for q in load_prompts([args.prompts], limit=args.num)])
+    rows = []
+    for batch in args.batch:
+        groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+        generate(target, groups[0], 8, eos)  # warm-up
+        base, base_s = timed_tokens(lambda: [t for g in groups for t in generate(target, g, args.new, eos)])  # noqa: B023
+        new_tokens = sum(map(len, base))
+        row = {"batch": batch, "new_tokens": new_tokens, "target_only_tokens_per_s": new_tokens / base_s}
+        for k in args.k:
+            for graph in (False, True):
+
+                def spec():
+                    outs = [
+                        speculative_generate(target, draft, g, args.new, eos, k, graph=graph) for g in groups
+                    ]  # noqa: B023
+                    spec.tau = sum(o.stats.emitted for o in outs) / sum(o.stats.steps for o in outs)
+                    return [t for o in outs for t in o.tokens]
+
+                tokens, seconds = timed_tokens(spec)
+                name = f"k{k}_{'graph' if graph else 'eager'}"
+                row[f"{name}_tokens_per_s"] = sum(map(len, tokens)) / seconds
+                row[f"{name}_speedup"] = row[f"{name}_tokens_per_s"] / row["target_only_tokens_per_s"]
+                row[f"{name}_tau"] = spec.tau
+                row[f"{name}_same_tokens_as_target"] = tokens == base
+        print(row, flush=True)
+        rows.append(row)
+    write_result(
+        "speculative_wallclock",
+        {
+            "command": f"python -m benchmarks.bench_speculative --target {args.target} --head {args.head} "
+            f"--batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new}",
+            "prompts": len(prompts),
+            "dtype": str(DTYPE),
+            "rows": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
