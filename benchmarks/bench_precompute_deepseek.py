@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from benchmarks.bench_precompute import packed_batches, padded_batches, run_hf, run_ours
+from benchmarks.bench_precompute import check_agreement, packed_batches, padded_batches, run_hf, run_ours
 from benchmarks.common import DEEPSEEK_V2_LITE, DEVICE, DTYPE, lognormal_lengths, write_result
 from inference_ref.attention import packed_kernel
 from inference_ref.deepseek_v2 import (
@@ -21,7 +21,6 @@ from inference_ref.deepseek_v2 import (
     hf_state_dict,
     random_deepseek_v2,
 )
-from inference_ref.llama import cu_seqlens_of
 
 
 def active_flops_per_token(cfg: DeepseekV2Config) -> float:
@@ -56,14 +55,6 @@ def hf_copy(model: DeepseekV2Model):
     if on_meta:
         raise RuntimeError(f"buffers left on meta: {on_meta[:5]}")
     return hf
-
-
-@torch.inference_mode()
-def check_agreement(model, hf, ids: torch.Tensor) -> float:
-    ids = ids.to(DEVICE)
-    ours, _ = model.forward_packed(ids, cu_seqlens_of([len(ids)], device=DEVICE))
-    ref = hf(input_ids=ids[None]).last_hidden_state[0]
-    return float((model.norm(ours) - ref).abs().max() / ref.abs().max())
 
 
 def main() -> None:

@@ -9,12 +9,10 @@ Greedy outputs are compared, so a speed-up is never bought with other tokens.
 from __future__ import annotations
 
 import argparse
-import time
 
-import torch
 from transformers import AutoTokenizer
 
-from benchmarks.common import DEVICE, DTYPE, write_result
+from benchmarks.common import DEVICE, DTYPE, timed, write_result
 from inference_ref.draft import load_draft
 from inference_ref.generate import generate
 from inference_ref.speculative import speculative_generate
@@ -22,12 +20,19 @@ from inference_ref.target import load_target
 from mtp_train.data import load_prompts, prompt_ids
 
 
-def timed_tokens(fn) -> tuple[list[list[int]], float]:
-    torch.cuda.synchronize() if DEVICE == "cuda" else None
-    start = time.perf_counter()
-    tokens = fn()
-    torch.cuda.synchronize() if DEVICE == "cuda" else None
-    return tokens, time.perf_counter() - start
+def timed_call(fn, *args):
+    """(fn(*args), its wall-clock seconds), timed as every benchmark here times."""
+    box = []
+    seconds = timed(lambda: box.append(fn(*args)))
+    return box[0], seconds
+
+
+def target_only_all(target, groups, new: int, eos) -> list[list[int]]:
+    return [t for g in groups for t in generate(target, g, new, eos)]
+
+
+def speculative_all(target, draft, groups, new: int, eos, k: int, graph: bool) -> list:
+    return [speculative_generate(target, draft, g, new, eos, k, graph=graph) for g in groups]
 
 
 def main() -> None:
@@ -49,24 +54,17 @@ def main() -> None:
     for batch in args.batch:
         groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         generate(target, groups[0], 8, eos)  # warm-up
-        base, base_s = timed_tokens(lambda: [t for g in groups for t in generate(target, g, args.new, eos)])  # noqa: B023
+        base, base_s = timed_call(target_only_all, target, groups, args.new, eos)
         new_tokens = sum(map(len, base))
         row = {"batch": batch, "new_tokens": new_tokens, "target_only_tokens_per_s": new_tokens / base_s}
         for k in args.k:
             for graph in (False, True):
-
-                def spec():
-                    outs = [
-                        speculative_generate(target, draft, g, args.new, eos, k, graph=graph) for g in groups
-                    ]  # noqa: B023
-                    spec.tau = sum(o.stats.emitted for o in outs) / sum(o.stats.steps for o in outs)
-                    return [t for o in outs for t in o.tokens]
-
-                tokens, seconds = timed_tokens(spec)
+                outs, seconds = timed_call(speculative_all, target, draft, groups, args.new, eos, k, graph)
+                tokens = [t for o in outs for t in o.tokens]
                 name = f"k{k}_{'graph' if graph else 'eager'}"
                 row[f"{name}_tokens_per_s"] = sum(map(len, tokens)) / seconds
                 row[f"{name}_speedup"] = row[f"{name}_tokens_per_s"] / row["target_only_tokens_per_s"]
-                row[f"{name}_tau"] = spec.tau
+                row[f"{name}_tau"] = sum(o.stats.emitted for o in outs) / sum(o.stats.steps for o in outs)
                 row[f"{name}_same_tokens_as_target"] = tokens == base
         print(row, flush=True)
         rows.append(row)

@@ -198,31 +198,32 @@ def select(run_dir: Path, plan: Plan) -> dict[str, dict]:
     return chosen
 
 
-def run(target: str, chat: Path, gsm8k: Path, run_dir: Path, plan: Plan, extra: list[str]) -> None:
-    run_dir = run_dir.resolve()
-    runner = Runner(run_dir, target, extra)
-    times: dict[str, float] = {}
-    t = time.perf_counter()
-    train_prompts, selection = split_prompts(chat, run_dir, plan)
-    if not (run_dir / "store/manifest.json").exists():
-        regenerate = [
-            f"regenerate.prompts=[{train_prompts},{gsm8k}]",
-            f"regenerate.max_new_tokens={plan.max_new_tokens}",
-            "regenerate.batch_size=512",
-            "regenerate.max_prompt_tokens=1024",
-        ]
-        runner.run_all([("regenerate", "mtp_train.regenerate", regenerate)], 1)
-        times["regenerate_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        precompute = [
-            f"data.train_files=[{run_dir / 'regenerated.jsonl'}]",
-            "data.max_seq_len=2048",
-            "precompute.tokens_per_batch=65536",
-        ]
-        runner.run_all([("precompute", "mtp_train.precompute", precompute)], 1)
-        times["precompute_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    jobs = [
+Job = tuple[str, str, list[str]]  # (log name, entry point module, Hydra overrides)
+
+
+def data_jobs(run_dir: Path, train_prompts: Path, gsm8k: Path, plan: Plan) -> tuple[list[Job], list[Job]]:
+    """Regeneration, then precompute; neither once the store exists."""
+    if (run_dir / "store/manifest.json").exists():
+        return [], []
+    regenerate = [
+        f"regenerate.prompts=[{train_prompts},{gsm8k}]",
+        f"regenerate.max_new_tokens={plan.max_new_tokens}",
+        "regenerate.batch_size=512",
+        "regenerate.max_prompt_tokens=1024",
+    ]
+    precompute = [
+        f"data.train_files=[{run_dir / 'regenerated.jsonl'}]",
+        "data.max_seq_len=2048",
+        "precompute.tokens_per_batch=65536",
+    ]
+    return [("regenerate", "mtp_train.regenerate", regenerate)], [
+        ("precompute", "mtp_train.precompute", precompute)
+    ]
+
+
+def sweep_jobs(run_dir: Path, selection: Path, plan: Plan) -> list[Job]:
+    """Every (head, lr) run not finished yet."""
+    return [
         (
             run_name(h, lr).replace("/", "_"),
             "mtp_train.train",
@@ -232,34 +233,48 @@ def run(target: str, chat: Path, gsm8k: Path, run_dir: Path, plan: Plan, extra: 
         for lr in plan.lrs
         if not (run_dir / "heads" / run_name(h, lr) / "train_summary.json").exists()
     ]
-    runner.run_all(jobs, plan.parallel_runs)
-    times["sweep_s"] = time.perf_counter() - t
-    chosen = select(run_dir, plan)
-    t = time.perf_counter()
+
+
+def validation_jobs(run_dir: Path, chosen: dict[str, dict], plan: Plan) -> list[Job]:
+    """Each kept head on each benchmark, where its report is not written yet."""
     jobs = []
     for head in HEADS:
         head_dir = run_dir / "heads" / run_name(head, chosen[head.name]["lr"]) / "head"
         for bench, path in BENCHES.items():
             report = run_dir / "results" / f"{head.name}_{bench}.json"
+            overrides = [
+                f"validate.head={head_dir}",
+                f"validate.eval_files=[{path}]",
+                f"validate.report={report}",
+                "validate.batch_size=80",
+                f"validate.max_new_tokens={plan.max_new_tokens}",
+                "validate.chain_lengths=[1,2,3,4,5]",
+                "validate.temperatures=[0.0,1.0]",
+                f"validate.num_prompts={plan.validation_prompts}".replace("None", "null"),
+            ]
             if not report.exists():
-                jobs.append(
-                    (
-                        f"validate_{head.name}_{bench}",
-                        "mtp_train.validate",
-                        [
-                            f"validate.head={head_dir}",
-                            f"validate.eval_files=[{path}]",
-                            f"validate.report={report}",
-                            "validate.batch_size=80",
-                            f"validate.max_new_tokens={plan.max_new_tokens}",
-                            "validate.chain_lengths=[1,2,3,4,5]",
-                            "validate.temperatures=[0.0,1.0]",
-                            f"validate.num_prompts={plan.validation_prompts}".replace("None", "null"),
-                        ],
-                    )
-                )
-    runner.run_all(jobs, plan.parallel_runs)
-    times["validate_s"] = time.perf_counter() - t
+                jobs.append((f"validate_{head.name}_{bench}", "mtp_train.validate", overrides))
+    return jobs
+
+
+def run(target: str, chat: Path, gsm8k: Path, run_dir: Path, plan: Plan, extra: list[str]) -> None:
+    run_dir = run_dir.resolve()
+    runner = Runner(run_dir, target, extra)
+    times: dict[str, float] = {}
+
+    def stage(name: str, jobs: list[Job], parallel: int) -> None:
+        if jobs:  # a stage found done keeps the time an earlier run recorded
+            start = time.perf_counter()
+            runner.run_all(jobs, parallel)
+            times[f"{name}_s"] = time.perf_counter() - start
+
+    train_prompts, selection = split_prompts(chat, run_dir, plan)
+    regenerate, precompute = data_jobs(run_dir, train_prompts, gsm8k, plan)
+    stage("regenerate", regenerate, 1)
+    stage("precompute", precompute, 1)
+    stage("sweep", sweep_jobs(run_dir, selection, plan), plan.parallel_runs)
+    chosen = select(run_dir, plan)
+    stage("validate", validation_jobs(run_dir, chosen, plan), plan.parallel_runs)
     summary_path = run_dir / "experiment.json"
     earlier = json.loads(summary_path.read_text())["wall_s"] if summary_path.exists() else {}
     summary = {"plan": plan.__dict__, "chosen": chosen, "wall_s": {**earlier, **times}}

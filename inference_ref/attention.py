@@ -52,12 +52,12 @@ def packed_kernel() -> str:
     return "varlen_attn (FlashAttention) on CUDA"
 
 
-def _varlen(q, k, v, cu_seqlens, max_len):
+def _varlen(q, k, v, cu_seqlens, max_len, **options):
     group = q.shape[1] // k.shape[1]
     # Repeating KV costs a copy but keeps to the kernel's most portable signature.
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     cu = cu_seqlens.to(torch.int32)
-    return _VARLEN(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
+    return _VARLEN(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), **options)
 
 
 def varlen_with_lse(
@@ -70,16 +70,11 @@ def varlen_with_lse(
         return None
     from torch.nn.attention.varlen import AuxRequest
 
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    cu = cu_seqlens.to(torch.int32)
     tokens, heads = q.shape[:2]
     if tokens == heads:  # the log-sum-exp's layout could not be told from its shape
         return None
     try:
-        out, lse = _VARLEN(
-            q, k, v, cu, cu, max_len, max_len, return_aux=AuxRequest(lse=True), window_size=(-1, 0)
-        )
+        out, lse = _varlen(q, k, v, cu_seqlens, max_len, return_aux=AuxRequest(lse=True))
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, TypeError, NotImplementedError):

@@ -32,7 +32,7 @@ from torch import nn
 
 from inference_ref.attention import cache_slots, packed_causal_attention
 from inference_ref.llama import Fp32Frequencies, RMSNorm, packed_positions
-from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, read_tensors, safetensors_files
+from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, init_random, read_tensors, safetensors_files
 
 # Both DeepSeek and transformers build q_a_layernorm / kv_a_layernorm with the default eps, not
 # the config's rms_norm_eps.
@@ -752,11 +752,7 @@ def random_deepseek_v2(
     with torch.device("meta"):
         model = DeepseekV2Model(cfg).to(dtype)
     model.to_empty(device=device)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            nn.init.normal_(p, mean=1.0, std=0.1)
-        else:
-            nn.init.normal_(p, std=0.02)
+    init_random(model)
     for module in model.modules():
         if isinstance(module, Router):
             module.float()  # as `placed` keeps it: routing in fp32, as transformers does

@@ -125,15 +125,20 @@ def load_llama(path: str | Path, device="cpu", dtype=torch.float32) -> LlamaMode
     return build_model(cfg, fuse_hf_state_dict(hf, cfg), device, dtype)
 
 
-def random_llama(cfg: LlamaConfig, device="cpu", dtype=torch.float32, seed: int = 0) -> LlamaModel:
-    """Random weights at a given shape (benchmarks, tiny test targets)."""
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaModel(cfg)
+def init_random(model: torch.nn.Module) -> None:
+    """Random weights in place: norms near 1, everything else N(0, 0.02) (any target kind)."""
     for name, p in model.named_parameters():
         if "norm" in name:
             torch.nn.init.normal_(p, mean=1.0, std=0.1)
         else:
             torch.nn.init.normal_(p, std=0.02)
+
+
+def random_llama(cfg: LlamaConfig, device="cpu", dtype=torch.float32, seed: int = 0) -> LlamaModel:
+    """Random weights at a given shape (benchmarks, tiny test targets)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaModel(cfg)
+    init_random(model)
     model.to(dtype=dtype)
     return model.eval().requires_grad_(False)  # inference only: outputs never need autograd

@@ -26,12 +26,10 @@ from torch import nn
 
 from inference_ref import deepseek_v2 as ds
 from inference_ref.config import LlamaConfig
+from inference_ref.draft import MLPS, VARIANTS
 from inference_ref.llama import RMSNorm, Rotary, apply_rotary, rms_norm
 from inference_ref.target import TargetConfig
 from mtp_train.head_attention import Segments, head_attention
-
-VARIANTS = ("rmsnorm-restored", "eagle1")
-MLPS = ("dense", "moe")
 
 
 @dataclass(frozen=True)
