@@ -1,4 +1,4 @@
-"""The quality experiment on SmolLM2-135M-Instruct (one GPU): EAGLE's head vs the rmsnorm-restored
+"""The quality experiment on SmolLM2-135M-Instruct (one GPU or a few): EAGLE's head vs the rmsnorm-restored
 head vs the restored head trained on three chained steps, each with its own learning-rate sweep.
 
     python -m experiments.quality_smollm2 run TARGET CHAT_PROMPTS.jsonl GSM8K.jsonl RUN_DIR [plan.FIELD=V ...] [HYDRA=V ...]
@@ -12,9 +12,10 @@ written to RUN_DIR/commands.sh) and skipped when its output exists, so a killed 
 running it again:
 
 1. a seeded sample of the chat prompts is set aside for choosing learning rates (never trained on);
-2. the target answers every other prompt (regenerate), and precompute stores the hidden states;
+2. the target answers every other prompt (regenerate, one share of the prompts per GPU), and
+   precompute stores the hidden states;
 3. every (head, lr) pair trains on the same store, with the same steps, tokens and schedule, several
-   runs at a time on the one GPU (a 3M-parameter head leaves it mostly idle); each ends with greedy
+   runs at a time on each GPU (a 3M-parameter head leaves one mostly idle); each ends with greedy
    speculative decoding (k = 4) on the set-aside prompts;
 4. per head, the learning rate with the highest mean accepted length there is kept, and that head is
    validated on MT-bench (both turns) and vicuna-bench for k = 1…5, greedy and T = 1.
@@ -24,7 +25,7 @@ running it again:
 Expected on one H200 (from the measured parts): regenerate ≈ 200 s (34k prompts, 5.4M new
 tokens), precompute ≈ 20 s (9.2M tokens), the sweep ≈ 10–12 min (nine 600-step runs of 32k-token
 micro-batches sharing the GPU; one run alone trains at 408k tokens/s, 133k with unroll 3),
-validation ≈ 3 min. Every stage resumes, so a run cut short by a time limit continues where it was.
+validation ≈ 3 min; two GPUs take about half as long. Every stage resumes, so a run cut short by a time limit continues where it was.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class Plan:
     validation_prompts: int | None = None
     """Benchmark prompts validated (None: all 80 of each)."""
     parallel_runs: int = 9
-    """Training (or validation) processes sharing the GPU at once."""
+    """Training (or validation) processes running at once, spread over the GPUs."""
+    gpus: int | None = None
+    """GPUs to use (None: every visible one; 0: none)."""
     seed: int = 0
 
     @classmethod
@@ -92,11 +95,23 @@ class Plan:
 BENCHES = {"mt_bench": REPO / "data/mt_bench.jsonl", "vicuna_bench": REPO / "data/vicuna_bench.jsonl"}
 
 
+@dataclass(frozen=True)
+class Job:
+    name: str
+    """Log file name."""
+    module: str
+    """Entry point run as `python -m`."""
+    overrides: list[str]
+    """Hydra overrides."""
+    cost: float = 1.0
+    """Relative GPU work, for spreading jobs over GPUs."""
+
+
 class Runner:
     """Runs entry points as subprocesses, logging each command (for commands.sh) and its output."""
 
-    def __init__(self, run_dir: Path, target: str, extra: list[str]):
-        self.run_dir, self.target, self.extra = run_dir, target, extra
+    def __init__(self, run_dir: Path, target: str, extra: list[str], gpus: int):
+        self.run_dir, self.target, self.extra, self.gpus = run_dir, target, extra, gpus
         self.logs = run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.commands = run_dir / "commands.sh"
@@ -105,41 +120,54 @@ class Runner:
         common = ["model=smollm2_135m", f"model.target={self.target}", f"run_dir={self.run_dir}"]
         return [sys.executable, "-m", module, *common, *overrides, *self.extra]
 
-    def start(self, name: str, module: str, overrides: list[str], threads: int) -> subprocess.Popen:
-        cmd = self.command(module, overrides)
-        with self.commands.open("a") as f:
-            f.write(shlex.join(["python", *cmd[1:]]) + "\n")
-        log = (self.logs / f"{name}.log").open("a")
+    def start(self, job: Job, threads: int, gpu: int | None) -> subprocess.Popen:
+        cmd = self.command(job.module, job.overrides)
         # Processes sharing the machine split its cores: each defaulting to all of them
         # oversubscribes the CPU, and a small head's training step is CPU-bound.
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+        env = {"OMP_NUM_THREADS": str(threads)}
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        with self.commands.open("a") as f:
+            f.write(shlex.join([*(f"{k}={v}" for k, v in env.items()), "python", *cmd[1:]]) + "\n")
+        log = (self.logs / f"{job.name}.log").open("a")
+        return subprocess.Popen(
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}
+        )
 
-    def run_all(self, jobs: list[tuple[str, str, list[str]]], parallel: int) -> None:
-        """Run (name, module, overrides) jobs, `parallel` at a time; fail if any fails."""
-        running: list[tuple[str, subprocess.Popen]] = []
-        failed = []
+    def run_all(self, jobs: list[Job], parallel: int) -> None:
+        """Run the jobs, `parallel` at a time, the costliest first, each on the GPU with the least
+        cost running; fail if any fails."""
+        running: list[tuple[Job, int | None, subprocess.Popen]] = []
+        failed: list[str] = []
+        load = [0.0] * self.gpus
         threads = max(1, (os.cpu_count() or 1) // min(parallel, max(1, len(jobs))))
-        for job in jobs:
+        for job in sorted(jobs, key=lambda j: -j.cost):
             while len(running) >= parallel:
-                running, failed = _reap(running, failed)
-            running.append((job[0], self.start(*job, threads)))
+                running = _reap(running, failed, load)
+            gpu = min(range(self.gpus), key=load.__getitem__) if self.gpus else None
+            if gpu is not None:
+                load[gpu] += job.cost
+            running.append((job, gpu, self.start(job, threads, gpu)))
         while running:
-            running, failed = _reap(running, failed)
+            running = _reap(running, failed, load)
         if failed:
             raise RuntimeError(f"failed: {failed}; see {self.logs}/<name>.log")
 
 
-def _reap(running, failed):
+def _reap(running, failed: list[str], load: list[float]):
+    """The jobs still running; the ended ones free their GPU's load, failures are recorded."""
     time.sleep(1)
     still = []
-    for name, proc in running:
+    for job, gpu, proc in running:
         rc = proc.poll()
         if rc is None:
-            still.append((name, proc))
-        elif rc != 0:
-            failed.append(f"{name} (exit {rc})")
-    return still, failed
+            still.append((job, gpu, proc))
+            continue
+        if gpu is not None:
+            load[gpu] -= job.cost
+        if rc != 0:
+            failed.append(f"{job.name} (exit {rc})")
+    return still
 
 
 def split_prompts(chat: Path, run_dir: Path, plan: Plan) -> tuple[Path, Path]:
@@ -153,6 +181,11 @@ def split_prompts(chat: Path, run_dir: Path, plan: Plan) -> tuple[Path, Path]:
         train.write_text("".join(f"{x}\n" for i, x in enumerate(lines) if i not in chosen))
         selection.write_text("".join(f"{lines[i]}\n" for i in sorted(chosen)))
     return train, selection
+
+
+def unroll_steps(head: Head) -> int:
+    """The chained steps a head trains on (its training costs about that many single steps)."""
+    return next(int(o.split("=")[1]) for o in head.overrides if o.startswith("train.unroll_steps="))
 
 
 def run_name(head: Head, lr: float) -> str:
@@ -198,36 +231,59 @@ def select(run_dir: Path, plan: Plan) -> dict[str, dict]:
     return chosen
 
 
-Job = tuple[str, str, list[str]]  # (log name, entry point module, Hydra overrides)
+def shares(path: Path, n: int, run_dir: Path) -> list[Path]:
+    """`path`'s records dealt into n files (record i to file i mod n); the file itself when n = 1."""
+    if n == 1:
+        return [path]
+    parts = [run_dir / "prompts" / f"{path.stem}.share{i}of{n}.jsonl" for i in range(n)]
+    if not all(p.exists() for p in parts):
+        lines = [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+        for i, part in enumerate(parts):
+            part.write_text("".join(f"{x}\n" for x in lines[i::n]), encoding="utf-8")
+    return parts
 
 
-def data_jobs(run_dir: Path, train_prompts: Path, gsm8k: Path, plan: Plan) -> tuple[list[Job], list[Job]]:
-    """Regeneration, then precompute; neither once the store exists."""
+def data_jobs(
+    run_dir: Path, train_prompts: Path, gsm8k: Path, plan: Plan, gpus: int
+) -> tuple[list[Job], list[Job]]:
+    """Regeneration (one share of the prompts per GPU), then precompute; neither once the store
+    exists."""
     if (run_dir / "store/manifest.json").exists():
         return [], []
+    n = max(1, gpus)
+    outputs = [run_dir / f"regenerated.{i}.jsonl" for i in range(n)]
     regenerate = [
-        f"regenerate.prompts=[{train_prompts},{gsm8k}]",
-        f"regenerate.max_new_tokens={plan.max_new_tokens}",
-        "regenerate.batch_size=512",
-        "regenerate.max_prompt_tokens=1024",
+        Job(
+            f"regenerate{i}",
+            "mtp_train.regenerate",
+            [
+                f"regenerate.prompts=[{chat},{math}]",
+                f"regenerate.output={out}",
+                f"regenerate.max_new_tokens={plan.max_new_tokens}",
+                "regenerate.batch_size=512",
+                "regenerate.max_prompt_tokens=1024",
+            ],
+        )
+        for i, (chat, math, out) in enumerate(
+            zip(shares(train_prompts, n, run_dir), shares(gsm8k, n, run_dir), outputs)
+        )
     ]
     precompute = [
-        f"data.train_files=[{run_dir / 'regenerated.jsonl'}]",
+        f"data.train_files=[{','.join(map(str, outputs))}]",
         "data.max_seq_len=2048",
         "precompute.tokens_per_batch=65536",
     ]
-    return [("regenerate", "mtp_train.regenerate", regenerate)], [
-        ("precompute", "mtp_train.precompute", precompute)
-    ]
+    return regenerate, [Job("precompute", "mtp_train.precompute", precompute)]
 
 
 def sweep_jobs(run_dir: Path, selection: Path, plan: Plan) -> list[Job]:
     """Every (head, lr) run not finished yet."""
     return [
-        (
+        Job(
             run_name(h, lr).replace("/", "_"),
             "mtp_train.train",
             training_overrides(h, lr, run_dir, selection, plan),
+            cost=unroll_steps(h),
         )
         for h in HEADS
         for lr in plan.lrs
@@ -253,13 +309,14 @@ def validation_jobs(run_dir: Path, chosen: dict[str, dict], plan: Plan) -> list[
                 f"validate.num_prompts={plan.validation_prompts}".replace("None", "null"),
             ]
             if not report.exists():
-                jobs.append((f"validate_{head.name}_{bench}", "mtp_train.validate", overrides))
+                jobs.append(Job(f"validate_{head.name}_{bench}", "mtp_train.validate", overrides))
     return jobs
 
 
 def run(target: str, chat: Path, gsm8k: Path, run_dir: Path, plan: Plan, extra: list[str]) -> None:
     run_dir = run_dir.resolve()
-    runner = Runner(run_dir, target, extra)
+    gpus = visible_gpus() if plan.gpus is None else plan.gpus
+    runner = Runner(run_dir, target, extra, gpus)
     times: dict[str, float] = {}
 
     def stage(name: str, jobs: list[Job], parallel: int) -> None:
@@ -269,17 +326,23 @@ def run(target: str, chat: Path, gsm8k: Path, run_dir: Path, plan: Plan, extra: 
             times[f"{name}_s"] = time.perf_counter() - start
 
     train_prompts, selection = split_prompts(chat, run_dir, plan)
-    regenerate, precompute = data_jobs(run_dir, train_prompts, gsm8k, plan)
-    stage("regenerate", regenerate, 1)
+    regenerate, precompute = data_jobs(run_dir, train_prompts, gsm8k, plan, gpus)
+    stage("regenerate", regenerate, len(regenerate))
     stage("precompute", precompute, 1)
     stage("sweep", sweep_jobs(run_dir, selection, plan), plan.parallel_runs)
     chosen = select(run_dir, plan)
     stage("validate", validation_jobs(run_dir, chosen, plan), plan.parallel_runs)
     summary_path = run_dir / "experiment.json"
     earlier = json.loads(summary_path.read_text())["wall_s"] if summary_path.exists() else {}
-    summary = {"plan": plan.__dict__, "chosen": chosen, "wall_s": {**earlier, **times}}
+    summary = {"plan": plan.__dict__, "gpus": gpus, "chosen": chosen, "wall_s": {**earlier, **times}}
     summary_path.write_text(json.dumps(summary, indent=2, default=list))
     print(json.dumps(summary, indent=2, default=list))
+
+
+def visible_gpus() -> int:
+    import torch  # here only: the driver itself never touches the GPU
+
+    return torch.cuda.device_count()
 
 
 def main(argv: list[str]) -> None:

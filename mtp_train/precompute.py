@@ -23,6 +23,7 @@ import queue
 import shutil
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,11 +233,18 @@ def precompute_rank(job: RankJob, device) -> None:
     if todo:
         device = torch.device(device)
         model = load_target(job.target_dir, device, model_dtype(job.model_dtype, device))
-        write_hidden_states(model, job, todo, writer)
+        started = time.perf_counter()
+        tokens = write_hidden_states(model, job, todo, writer)
+        seconds = time.perf_counter() - started
+        # per rank and without the model's load, so that N ranks can be set against one
+        print(
+            f"precompute rank {job.rank}: {tokens:,} tokens in {seconds:.1f} s ({tokens / seconds:,.0f} tok/s)"
+        )
     writer.finish()
 
 
-def write_hidden_states(model: TargetModel, job: RankJob, todo: list[int], writer: ShardWriter) -> None:
+def write_hidden_states(model: TargetModel, job: RankJob, todo: list[int], writer: ShardWriter) -> int:
+    """Forward and store the `todo` samples; returns the tokens written."""
     lengths = {k: len(job.samples[k].input_ids) for k in todo}
     total = sum(lengths.values())
     # tqdm's rate and ETA are in tokens; one bar (rank 0) stands for all ranks, which run in step.
@@ -250,6 +258,7 @@ def write_hidden_states(model: TargetModel, job: RankJob, todo: list[int], write
     finally:
         background.close()
         bar.close()
+    return total
 
 
 def pack_by_length(ids: list[int], lengths: dict[int, int], budget: int) -> list[list[int]]:

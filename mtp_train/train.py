@@ -163,11 +163,17 @@ def train(cfg: RunConfig) -> Path:
 
 
 def validate_in_job(acc: Accelerator, validator: DuringTraining, head_dir: Path, spec: bool) -> dict:
-    """Every process validates its share of the prompts; the sums are added across processes."""
+    """Every process validates its share of the prompts; the sums are added across processes.
+    The slowest and fastest process's seconds are logged too: their difference is how long the
+    fastest waited for the others."""
+    started = time.perf_counter()
     sums = validator(head_dir, spec)
+    seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=acc.device)
     values = torch.tensor(list(sums.values()), dtype=torch.float64, device=acc.device)
     totals = acc.reduce(values, reduction="sum")
-    return DuringTraining.figures(dict(zip(sums, totals.tolist())))
+    every = acc.gather(seconds)
+    figures = DuringTraining.figures(dict(zip(sums, totals.tolist())))
+    return {**figures, "val/seconds_max": every.max().item(), "val/seconds_min": every.min().item()}
 
 
 def export_head(acc: Accelerator, objective, out: Path, identity: dict, cfg: RunConfig, step: int) -> Path:

@@ -146,6 +146,8 @@ def test_two_processes_match_one_at_the_same_global_batch(tiny_target, tiny_stor
     for step in (2, 4):
         assert val_b[step]["val/loss"] == pytest.approx(val_a[step]["val/loss"], rel=1e-4), step
     assert val_b[4]["val/tau_k2"] == pytest.approx(val_a[4]["val/tau_k2"], rel=1e-3)
+    # both processes' validation times are gathered (min from one, max from the other)
+    assert 0 < val_b[4]["val/seconds_min"] <= val_b[4]["val/seconds_max"]
 
 
 def test_unknown_config_keys_are_errors(tiny_target):
