@@ -144,7 +144,8 @@ class ValidateConfig:
     batch_size: int = 16
     """Sequences decoded together."""
     teacher_forced_samples: int = 64
-    """Samples of the store's held-out part used for the teacher-forced loss."""
+    """Evaluation conversations (the prompts with the target's own greedy answers) on which the
+    teacher-forced loss is computed by both code paths."""
     dtype: str = "${model.dtype}"
     """Compute dtype of the validation run. In bf16 a verify step (k+1 tokens) and a decode step
     (1 token) round differently, so greedy outputs can part on near-ties; in float32 they are
