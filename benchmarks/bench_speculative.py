@@ -50,6 +50,10 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
     prompts = prompt_ids(tokenizer, [q.turns[0] for q in load_prompts([args.prompts], limit=args.num)])
+    command = (
+        f"python -m benchmarks.bench_speculative --target {args.target} --head {args.head} "
+        f"--batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new}"
+    )
     rows = []
     for batch in args.batch:
         groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
@@ -57,27 +61,35 @@ def main() -> None:
         base, base_s = timed_call(target_only_all, target, groups, args.new, eos)
         new_tokens = sum(map(len, base))
         row = {"batch": batch, "new_tokens": new_tokens, "target_only_tokens_per_s": new_tokens / base_s}
+        rows.append(row)
+        print(f"batch {batch}: target-only {row['target_only_tokens_per_s']:,.0f} tok/s", flush=True)
         for k in args.k:
             for graph in (False, True):
-                outs, seconds = timed_call(speculative_all, target, draft, groups, args.new, eos, k, graph)
-                tokens = [t for o in outs for t in o.tokens]
-                name = f"k{k}_{'graph' if graph else 'eager'}"
-                row[f"{name}_tokens_per_s"] = sum(map(len, tokens)) / seconds
-                row[f"{name}_speedup"] = row[f"{name}_tokens_per_s"] / row["target_only_tokens_per_s"]
-                row[f"{name}_tau"] = sum(o.stats.emitted for o in outs) / sum(o.stats.steps for o in outs)
-                row[f"{name}_same_tokens_as_target"] = tokens == base
-        print(row, flush=True)
-        rows.append(row)
-    write_result(
-        "speculative_wallclock",
-        {
-            "command": f"python -m benchmarks.bench_speculative --target {args.target} --head {args.head} "
-            f"--batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new}",
-            "prompts": len(prompts),
-            "dtype": str(DTYPE),
-            "rows": rows,
-        },
+                row.update(speculative_row(target, draft, groups, base, args.new, eos, k, graph, row))
+                # written after every measurement: a run cut short keeps what it measured
+                write_result(
+                    "speculative_wallclock",
+                    {"command": command, "prompts": len(prompts), "dtype": str(DTYPE), "rows": rows},
+                )
+
+
+def speculative_row(target, draft, groups, base, new: int, eos, k: int, graph: bool, row: dict) -> dict:
+    """One (k, eager or graph) measurement against the row's target-only figure."""
+    outs, seconds = timed_call(speculative_all, target, draft, groups, new, eos, k, graph)
+    tokens = [t for o in outs for t in o.tokens]
+    name = f"k{k}_{'graph' if graph else 'eager'}"
+    tokens_per_s = sum(map(len, tokens)) / seconds
+    figures = {
+        f"{name}_tokens_per_s": tokens_per_s,
+        f"{name}_speedup": tokens_per_s / row["target_only_tokens_per_s"],
+        f"{name}_tau": sum(o.stats.emitted for o in outs) / sum(o.stats.steps for o in outs),
+        f"{name}_same_tokens_as_target": tokens == base,
+    }
+    print(
+        f"batch {row['batch']} {name}: {tokens_per_s:,.0f} tok/s, {figures[f'{name}_speedup']:.2f}x",
+        flush=True,
     )
+    return figures
 
 
 if __name__ == "__main__":
