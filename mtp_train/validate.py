@@ -223,6 +223,9 @@ def run_validation(cfg: RunConfig) -> dict:
             run, _, tokens = speculative_pass(ev, prompts, k, temperature, vc, vc.seed)
             if temperature == 0:
                 run["identical_to_target_greedy"] = tokens == base_tokens
+                # in bf16 near-ties can part the texts (see validate.dtype): how many answers did
+                same = sum(a == b for a, b in zip(tokens, base_tokens))
+                run["identical_answers"] = same / max(1, len(base_tokens))
             run["speedup_vs_target_only"] = run["tokens_per_s"] / baseline["tokens_per_s"]
             runs[f"k={k}"] = run
     head = load_head(vc.head, target_dir).to(device=device, dtype=dtype)
@@ -368,7 +371,9 @@ def summary(report: dict) -> str:
         for name, run in runs.items():
             rates = " ".join(f"{r:.2f}" for r in run["accept_rate"])
             same = run.get("identical_to_target_greedy")
-            check = "" if same is None else f"  same-as-target {same}"
+            check = (
+                "" if same is None else f"  same-as-target {same} ({run['identical_answers']:.0%} of answers)"
+            )
             lines.append(f"{mode:7s} {name}: τ {run['mean_accepted_len']:.2f}  accept [{rates}]{check}")
     return "\n".join(lines)
 

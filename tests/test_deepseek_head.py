@@ -224,7 +224,8 @@ def test_pipeline_on_a_tiny_deepseek_v2(tiny_deepseek, tmp_path):
 
     report = run_validation(cfg)
     greedy = report["speculative"]["greedy"]["k=2"]
-    assert greedy["identical_to_target_greedy"] and 1.0 <= greedy["mean_accepted_len"] <= 3.0
+    assert greedy["identical_to_target_greedy"] and greedy["identical_answers"] == 1.0
+    assert 1.0 <= greedy["mean_accepted_len"] <= 3.0
     tf = report["teacher_forced"]
     assert tf["parity_gap"]["ce"] < 1e-3 * max(1.0, tf["trainer"]["ce"])
     assert (tmp_path / "validate" / "report.json").exists()
