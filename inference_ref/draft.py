@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from inference_ref import deepseek_v2 as ds
-from inference_ref.deepseek_v2 import DeepseekV2Config, LatentCache
+from inference_ref.deepseek_v2 import LatentCache
 from inference_ref.llama import DecoderLayer, KVCache, RMSNorm, Rotary
 from inference_ref.target import Cache, TargetConfig, TargetModel, config_from_hf
 
@@ -73,7 +73,7 @@ class HeadSpec:
                 f"{config.get('variant')!r} is not {expected!r} with a variant in {VARIANTS}"
             )
         mlp = config.get("mlp", "dense")
-        if mlp not in MLPS or (mlp == "moe" and not isinstance(layer, DeepseekV2Config)):
+        if mlp not in MLPS or (mlp == "moe" and layer.model_type != "deepseek_v2"):
             raise ValueError(
                 f"head config.json: mlp {mlp!r} is not one of {MLPS} (moe only with a deepseek_v2 layer)"
             )
@@ -103,7 +103,7 @@ def fuse_head_state(tensors: dict[str, torch.Tensor], spec: HeadSpec) -> dict[st
     the target does. An MoE head's stacked experts already have the serving names."""
     out = {k: v for k, v in tensors.items() if k not in SHARED}
     layer = spec.layer
-    if isinstance(layer, DeepseekV2Config):
+    if layer.model_type == "deepseek_v2":
         fused, parts = "q_kv_a_proj", ["q_a_proj" if layer.q_lora_rank else "q_proj", "kv_a_proj_with_mqa"]
     else:
         fused, parts = "qkv_proj", ["q_proj", "k_proj", "v_proj"]
@@ -157,8 +157,8 @@ class MTPDraft(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> Cache:
         w = self.fc.weight
-        kind = LatentCache if isinstance(self.spec.layer, DeepseekV2Config) else KVCache
-        return kind.empty(self.spec.layer, 1, batch, max_len, w.device, w.dtype)
+        cache_type = LatentCache if self.spec.layer.model_type == "deepseek_v2" else KVCache
+        return cache_type.empty(self.spec.layer, 1, batch, max_len, w.device, w.dtype)
 
     def project(self, state: torch.Tensor, tokens: torch.Tensor, from_target: bool) -> torch.Tensor:
         """fc input from (state, next token): the target's h, or the draft's own y when chained."""
@@ -173,7 +173,7 @@ class MTPDraft(nn.Module):
         """The decoder layer on x [B, S, H] placed at the cache's lengths (slot = rope position).
         `static`: attend over the whole cache, masked (fixed shapes, no host sync: CUDA graphs)."""
         slots, mask = cache.slots(x.shape[1], static)
-        if isinstance(cache, LatentCache):
+        if self.spec.layer.model_type == "deepseek_v2":
             cos, sin = self.rotary(slots)  # fp32, applied in fp32 as the DeepSeek target does
             return self.layer.forward_cached(x, cos, sin, cache.kv[0], slots, mask)
         cos, sin = self.rotary(slots, x.dtype)
@@ -210,7 +210,7 @@ def layer_of_kind(spec: HeadSpec) -> tuple[nn.Module, nn.Module]:
     """The head's decoder layer and rotary table, of the target's kind. A DeepSeek-kind head's MLP
     is dense (`intermediate_size` wide) or the target's MoE block, as `mtp_train.heads` trains it."""
     cfg = spec.layer
-    if isinstance(cfg, DeepseekV2Config):
+    if cfg.model_type == "deepseek_v2":
         return ds.DecoderLayer(cfg, moe=spec.mlp == "moe"), ds.Rotary(cfg)
     return DecoderLayer(cfg), Rotary(cfg)
 

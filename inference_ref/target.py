@@ -1,5 +1,9 @@
 """A target of any supported kind, chosen by its `config.json`'s `model_type`.
 
+The kind is that `model_type`: each config class carries it as `model_type`, and `KINDS` below
+is the one table from a kind to what makes a target of it. Code elsewhere asks
+`cfg.model_type == ...` or looks a kind up in `KINDS`.
+
 Every kind has a config with `from_hf` / `to_hf` / `fingerprint` and a model with the interface
 below (`forward_packed`, `new_cache`, `forward_cached`, `logits`; embeddings, final norm and
 lm_head under the same attribute names), so precompute, generation, the speculative loop and
@@ -9,8 +13,9 @@ validation run any of them unchanged.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -22,9 +27,6 @@ from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, load_llama, read_t
 
 TargetConfig = LlamaConfig | DeepseekV2Config
 Cache = KVCache | LatentCache
-
-CONFIGS: dict[str, type[TargetConfig]] = {"llama": LlamaConfig, "deepseek_v2": DeepseekV2Config}
-LOADERS = {"llama": load_llama, "deepseek_v2": load_deepseek_v2}
 
 
 class TargetModel(Protocol):
@@ -46,16 +48,30 @@ class TargetModel(Protocol):
     def forward_cached(self, input_ids: torch.Tensor, cache: Cache, static: bool = False) -> torch.Tensor: ...
 
 
+class Kind(NamedTuple):
+    """What makes a target of one kind."""
+
+    config: type[TargetConfig]
+    load: Callable[..., TargetModel]
+    """`(path, device, dtype)` → the model, from a Hugging Face directory."""
+
+
+KINDS: dict[str, Kind] = {
+    LlamaConfig.model_type: Kind(LlamaConfig, load_llama),
+    DeepseekV2Config.model_type: Kind(DeepseekV2Config, load_deepseek_v2),
+}
+
+
 def target_kind(hf: dict) -> str:
     """The kind of a Hugging Face config dict, refusing the ones this project does not run."""
     kind = hf.get("model_type")
-    if kind not in CONFIGS:
-        raise ValueError(f"config.json: model_type {kind!r} is not supported ({', '.join(CONFIGS)})")
+    if kind not in KINDS:
+        raise ValueError(f"config.json: model_type {kind!r} is not supported ({', '.join(KINDS)})")
     return kind
 
 
 def config_from_hf(hf: dict) -> TargetConfig:
-    return CONFIGS[target_kind(hf)].from_hf(hf)
+    return KINDS[target_kind(hf)].config.from_hf(hf)
 
 
 def read_target_config(path: str | Path) -> TargetConfig:
@@ -68,7 +84,7 @@ def load_target(path: str | Path, device="cpu", dtype=torch.float32) -> TargetMo
     path = Path(path)
     if path.suffix == ".gguf":
         return load_llama(path, device, dtype)
-    return LOADERS[read_target_config(path).model_type](path, device, dtype)
+    return KINDS[read_target_config(path).model_type].load(path, device, dtype)
 
 
 def frozen_target_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -68,7 +68,7 @@ NATIVE_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "lm_head.weight": 
 def native_layer(cfg: HeadConfig) -> tuple[Symbolic, dict[str, int]]:
     """The decoder layer's names (under `layer.`) and shape symbols for a target of this kind,
     with the head's MLP (an MoE head's experts stacked)."""
-    if cfg.kind == "deepseek_v2":
+    if cfg.target.model_type == "deepseek_v2":
         hf = cfg.target.to_hf()
         full = deepseek_moe_block(hf) if cfg.mlp == "moe" else deepseek_dense_block(hf)
         block = {n: s for n, s in full.items() if n != "input_layernorm.weight"}
@@ -118,7 +118,7 @@ def head_config(
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "architecture": ARCHITECTURES[head.cfg.kind],
+        "architecture": ARCHITECTURES[t.model_type],
         "variant": head.cfg.variant,
         "mlp": head.cfg.mlp,
         "dtype": str(dtype).removeprefix("torch."),

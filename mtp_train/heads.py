@@ -46,7 +46,7 @@ class HeadConfig:
             raise ValueError(f"model.variant: {self.variant!r} is not one of {VARIANTS}")
         if self.mlp not in MLPS:
             raise ValueError(f"model.head_mlp: {self.mlp!r} is not one of {MLPS}")
-        if self.mlp == "moe" and not isinstance(self.target, ds.DeepseekV2Config):
+        if self.mlp == "moe" and self.target.model_type != "deepseek_v2":
             raise ValueError(
                 f"model.head_mlp: 'moe' builds the target's MoE block, but this target is "
                 f"{self.target.model_type}, whose layers have no experts: use 'dense'"
@@ -55,11 +55,6 @@ class HeadConfig:
     @property
     def restored(self) -> bool:
         return self.variant == "rmsnorm-restored"
-
-    @property
-    def kind(self) -> str:
-        """The target's kind (`llama`, `deepseek_v2`), which is the head's layer's kind."""
-        return self.target.model_type
 
 
 class HeadAttention(nn.Module):

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import save_file
 
 from inference_ref import deepseek_v2 as ds
-from inference_ref.deepseek_v2 import DeepseekV2Config, YarnScaling
+from inference_ref.deepseek_v2 import YarnScaling
 from inference_ref.gguf import convert_gguf
 from inference_ref.loading import hf_state_dict, random_llama
-from inference_ref.target import CONFIGS, TargetConfig, read_target_config
+from inference_ref.target import KINDS, TargetConfig, read_target_config
 from mtp_train.demo_target import cache_dir, smollm2_dir
 
 DEMO_TARGET = "smollm2-135m-instruct"
@@ -121,7 +121,7 @@ TINY = {
 
 def random_hf_weights(cfg: TargetConfig, seed: int) -> dict[str, torch.Tensor]:
     """Random weights of `cfg`'s kind under Hugging Face names."""
-    if isinstance(cfg, DeepseekV2Config):
+    if cfg.model_type == "deepseek_v2":
         return ds.hf_state_dict(ds.random_deepseek_v2(cfg, seed=seed))
     return hf_state_dict(random_llama(cfg, seed=seed))
 
@@ -134,7 +134,7 @@ def write_random_target(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = read_target_config(tokenizer_dir)
-    cfg = CONFIGS[kind](
+    cfg = KINDS[kind].config(
         vocab_size=base.vocab_size,
         bos_token_id=base.bos_token_id,
         eos_token_ids=base.eos_token_ids,
