@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_ref.attention import cache_slots, packed_causal_attention
-from inference_ref.llama import Fp32Frequencies, RMSNorm, packed_positions
+from inference_ref.llama import CausalLM, Fp32Frequencies, RMSNorm
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, init_random, read_tensors, safetensors_files
 
 # Both DeepSeek and transformers build q_a_layernorm / kv_a_layernorm with the default eps, not
@@ -289,7 +289,10 @@ class Rotary(Fp32Frequencies):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.magnitude = rope_magnitude(cfg)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`dtype` (the activations') is not used: DeepSeek rotates in fp32 whatever they are."""
         freqs = positions.float()[..., None] * self.inv_freq
         return freqs.cos() * self.magnitude, freqs.sin() * self.magnitude
 
@@ -403,6 +406,10 @@ class LatentCache:
     @property
     def max_len(self) -> int:
         return self.kv.shape[2]
+
+    def layer(self, i: int) -> tuple[torch.Tensor]:
+        """Layer i's storage, as its cached forward takes it."""
+        return (self.kv[i],)
 
     def shifted(self, n: int) -> LatentCache:
         """The same storage with every row `n` entries longer (see `llama.KVCache.shifted`)."""
@@ -549,55 +556,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekV2Model(nn.Module):
+class DeepseekV2Model(CausalLM):
     """`DeepseekV2ForCausalLM` with fused input projections and stacked experts."""
 
     def __init__(self, cfg: DeepseekV2Config):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, cfg.is_moe(i)) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(cfg)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits from pre-norm hidden states, in fp32."""
-        return self.lm_head(self.norm(hidden)).float()
-
-    @torch.inference_mode()
-    def forward_packed(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, logits_at: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids [T] of B packed sequences → (hidden [T, H] before the final norm,
-        logits [len(logits_at), V] for the flat positions asked for, or None)."""
-        positions = packed_positions(cu_seqlens, input_ids.shape[0])
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions)
-        for layer in self.layers:
-            x = layer.forward_packed(x, cos, sin, cu_seqlens, max_len)
-        logits = None if logits_at is None else self.logits(x[logits_at])
-        return x, logits
-
-    def new_cache(self, batch: int, max_len: int) -> LatentCache:
-        w = self.embed_tokens.weight
-        return LatentCache.empty(self.cfg, len(self.layers), batch, max_len, w.device, w.dtype)
-
-    @torch.inference_mode()
-    def forward_cached(
-        self, input_ids: torch.Tensor, cache: LatentCache, static: bool = False
-    ) -> torch.Tensor:
-        """input_ids [B, S] placed after each row's committed cache entries → hidden [B, S, H]
-        (before the final norm). Does not commit: the caller advances `cache.lengths` in place."""
-        slots, mask = cache.slots(input_ids.shape[1], static)
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(slots)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward_cached(x, cos, sin, cache.kv[i], slots, mask)
-        return x
+        layers = [DecoderLayer(cfg, cfg.is_moe(i)) for i in range(cfg.num_hidden_layers)]
+        super().__init__(cfg, layers, Rotary(cfg), LatentCache)
 
 
 # ---------------------------------------------------------------------------------------------

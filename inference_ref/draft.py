@@ -173,11 +173,8 @@ class MTPDraft(nn.Module):
         """The decoder layer on x [B, S, H] placed at the cache's lengths (slot = rope position).
         `static`: attend over the whole cache, masked (fixed shapes, no host sync: CUDA graphs)."""
         slots, mask = cache.slots(x.shape[1], static)
-        if self.spec.layer.model_type == "deepseek_v2":
-            cos, sin = self.rotary(slots)  # fp32, applied in fp32 as the DeepSeek target does
-            return self.layer.forward_cached(x, cos, sin, cache.kv[0], slots, mask)
         cos, sin = self.rotary(slots, x.dtype)
-        return self.layer.forward_cached(x, cos, sin, cache.k[0], cache.v[0], slots, mask)
+        return self.layer.forward_cached(x, cos, sin, *cache.layer(0), slots, mask)
 
     @torch.inference_mode()
     def prefill(

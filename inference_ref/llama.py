@@ -160,6 +160,10 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's storage, as its cached forward takes it."""
+        return self.k[i], self.v[i]
+
     def shifted(self, n: int) -> KVCache:
         """The same storage with every row `n` entries longer: a draft's chained step writes
         past the committed entries and sees the ones before it, without committing them."""
@@ -170,19 +174,22 @@ class KVCache:
         return cache_slots(self.lengths, self.max_len, new, static)
 
 
-class LlamaModel(nn.Module):
-    """`LlamaForCausalLM` with fused projections; embeddings tied or not as configured."""
+class CausalLM(nn.Module):
+    """What every target kind shares: embeddings, decoder layers, final norm, lm_head (tied or not)
+    and a rotary table; the packed forward (precompute) and the cached forward (decode). A kind
+    supplies its layers, its rotary module (called with positions and the activations' dtype)
+    and its cache type (whose `layer(i)` gives the arguments of layer i's cached forward)."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg, layers: list[nn.Module], rotary: nn.Module, cache_type):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.cache_type = cfg, cache_type
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(cfg)
+        self.rotary = rotary
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from pre-norm hidden states, in fp32."""
@@ -203,12 +210,12 @@ class LlamaModel(nn.Module):
         logits = None if logits_at is None else self.logits(x[logits_at])
         return x, logits
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int):
         w = self.embed_tokens.weight
-        return KVCache.empty(self.cfg, len(self.layers), batch, max_len, w.device, w.dtype)
+        return self.cache_type.empty(self.cfg, len(self.layers), batch, max_len, w.device, w.dtype)
 
     @torch.inference_mode()
-    def forward_cached(self, input_ids: torch.Tensor, cache: KVCache, static: bool = False) -> torch.Tensor:
+    def forward_cached(self, input_ids: torch.Tensor, cache, static: bool = False) -> torch.Tensor:
         """input_ids [B, S] placed after each row's committed cache entries → hidden [B, S, H]
         (before the final norm). Does not commit: the caller advances `cache.lengths`
         (in place, so that a captured graph sees it)."""
@@ -216,8 +223,16 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(slots, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], slots, mask)
+            x = layer.forward_cached(x, cos, sin, *cache.layer(i), slots, mask)
         return x
+
+
+class LlamaModel(CausalLM):
+    """`LlamaForCausalLM` with fused projections; embeddings tied or not as configured."""
+
+    def __init__(self, cfg: LlamaConfig):
+        layers = [DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
+        super().__init__(cfg, layers, Rotary(cfg), KVCache)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
