@@ -94,6 +94,10 @@ def _sdpa_per_sequence(q, k, v, cu_seqlens):
     return out
 
 
+KEY_BLOCK = 128
+"""Eager cached attention reads keys in multiples of this many (see `cache_slots`)."""
+
+
 def cache_slots(
     lengths: torch.Tensor, max_len: int, new: int, static: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +105,12 @@ def cache_slots(
     entries, and their attention mask. `static` attends over the whole cache (masked) instead of
     the longest row: no host sync and fixed shapes, as a CUDA graph needs."""
     slots = lengths[:, None] + torch.arange(new, device=lengths.device)
-    key_len = max_len if static else min(int(slots.max()) + 1, max_len)
+    if static:
+        return slots, cache_mask(lengths, new, max_len)
+    # Rounded up to a whole key block: attention backends plan (and cache plans) per exact shape,
+    # and cuDNN's plans are built on the host. A key length that grows by one every step would be
+    # a new plan every step; the extra keys are masked out.
+    key_len = min(-(-(int(slots.max()) + 1) // KEY_BLOCK) * KEY_BLOCK, max_len)
     return slots, cache_mask(lengths, new, key_len)
 
 
