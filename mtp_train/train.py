@@ -169,10 +169,10 @@ def validate_in_job(acc: Accelerator, validator: DuringTraining, head_dir: Path,
     started = time.perf_counter()
     sums = validator(head_dir, spec)
     seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=acc.device)
-    values = torch.tensor(list(sums.values()), dtype=torch.float64, device=acc.device)
+    values = torch.tensor(sums.flat(), dtype=torch.float64, device=acc.device)
     totals = acc.reduce(values, reduction="sum")
     every = acc.gather(seconds)
-    figures = DuringTraining.figures(dict(zip(sums, totals.tolist())))
+    figures = sums.from_flat(totals.tolist()).figures()
     return {**figures, "val/seconds_max": every.max().item(), "val/seconds_min": every.min().item()}
 
 

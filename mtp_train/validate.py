@@ -256,15 +256,15 @@ class DuringTraining:
         self.tf_limit = max(0, -(-(vc.teacher_forced_samples - rank) // world))
         self.samples: list[Sample] = []
 
-    def __call__(self, head_dir: Path, spec: bool) -> dict[str, float]:
-        """Sums over this process's prompts (the same keys on every process)."""
+    def __call__(self, head_dir: Path, spec: bool) -> ValidationSums:
+        """Sums over this process's prompts (the same shape on every process)."""
         chains = self.cfg.validate.chain_lengths if spec else []
-        sums = empty_sums(chains)
+        sums = ValidationSums.empty(chains)
         if self.prompts:
             self._load(head_dir)
-            sums.update(self._teacher_forced_sums(head_dir))
+            sums.trainer, sums.inference = self._teacher_forced_sums(head_dir)
             for k in chains:
-                sums.update(self._speculative_sums(k))
+                sums.chains[k] = self._speculative_sums(k)
         return sums
 
     def _load(self, head_dir: Path) -> None:
@@ -276,56 +276,92 @@ class DuringTraining:
         else:
             self.ev.draft = load_draft(head_dir, self.ev.target)
 
-    def _teacher_forced_sums(self, head_dir: Path) -> dict[str, float]:
+    def _teacher_forced_sums(self, head_dir: Path) -> tuple[PathSums, PathSums]:
         head = load_head(head_dir, self.target_dir).to(device=self.device, dtype=self.dtype)
         store_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         tf = teacher_forced(self.ev, head, self.samples, store_dtype, self.cfg.train.loss_chunk_logits)
-        sums = {}
-        for path in ("trainer", "inference"):
-            n = tf[path]["positions"]
-            sums.update(
-                {f"{path}/ce": tf[path]["ce"] * n, f"{path}/top1": tf[path]["top1"] * n, f"{path}/n": n}
-            )
-        return sums
+        return PathSums.of(tf["trainer"]), PathSums.of(tf["inference"])
 
-    def _speculative_sums(self, k: int) -> dict[str, float]:
+    def _speculative_sums(self, k: int) -> ChainSums:
         vc = self.cfg.validate
         counts = speculative_pass(self.ev, self.prompts, k, 0.0, vc, vc.seed)[0]["counts"]
-        sums = {f"k{k}/steps": counts["steps"], f"k{k}/emitted": counts["emitted"]}
-        for j in range(k):
-            sums[f"k{k}/tried{j + 1}"] = counts["tried"][j]
-            sums[f"k{k}/accepted{j + 1}"] = counts["accepted"][j]
-        return sums
+        return ChainSums(counts["steps"], counts["emitted"], list(counts["tried"]), list(counts["accepted"]))
 
-    @staticmethod
-    def figures(sums: dict[str, float]) -> dict[str, float]:
-        """Sums (added over processes) → the logged figures."""
 
-        def rate(a: str, b: str) -> float:
-            return sums[a] / sums[b] if sums[b] else float("nan")
+@dataclass
+class PathSums:
+    """Teacher-forced sums of one code path: CE and top-1 summed over positions, and the positions."""
 
+    ce: float = 0.0
+    top1: float = 0.0
+    positions: float = 0.0
+
+    @classmethod
+    def of(cls, means: dict) -> PathSums:
+        n = means["positions"]
+        return cls(means["ce"] * n, means["top1"] * n, n)
+
+
+@dataclass
+class ChainSums:
+    """Greedy speculative decoding with k drafts: verify steps, tokens emitted, and per draft
+    position the drafts tried and accepted."""
+
+    steps: float
+    emitted: float
+    tried: list[float]
+    accepted: list[float]
+
+
+@dataclass
+class ValidationSums:
+    """One process's validation sums. Processes add theirs elementwise (`flat` / `from_flat`),
+    then `figures` turns the totals into rates."""
+
+    trainer: PathSums
+    inference: PathSums
+    chains: dict[int, ChainSums]
+
+    @classmethod
+    def empty(cls, chains: list[int]) -> ValidationSums:
+        """Zeros of the full shape: a process without prompts still takes part in the reduce."""
+        return cls(PathSums(), PathSums(), {k: ChainSums(0.0, 0.0, [0.0] * k, [0.0] * k) for k in chains})
+
+    def flat(self) -> list[float]:
+        values = [*vars(self.trainer).values(), *vars(self.inference).values()]
+        for c in self.chains.values():
+            values += [c.steps, c.emitted, *c.tried, *c.accepted]
+        return values
+
+    def from_flat(self, values: list[float]) -> ValidationSums:
+        """Sums of this shape holding `values` (as `flat` lays them out)."""
+        it = iter(values)
+
+        def take(n: int) -> list[float]:
+            return [next(it) for _ in range(n)]
+
+        trainer, inference = PathSums(*take(3)), PathSums(*take(3))
+        chains = {k: ChainSums(*take(2), take(k), take(k)) for k in self.chains}
+        return ValidationSums(trainer, inference, chains)
+
+    def figures(self) -> dict[str, float]:
+        """The logged figures: teacher-forced loss, top-1 and the two paths' gap; τ and per-position
+        acceptance for each chain length."""
+
+        def rate(a: float, b: float) -> float:
+            return a / b if b else float("nan")
+
+        t, i = self.trainer, self.inference
         out = {
-            "val/loss": rate("inference/ce", "inference/n"),
-            "val/top1": rate("inference/top1", "inference/n"),
-            "val/parity_gap": abs(rate("trainer/ce", "trainer/n") - rate("inference/ce", "inference/n")),
+            "val/loss": rate(i.ce, i.positions),
+            "val/top1": rate(i.top1, i.positions),
+            "val/parity_gap": abs(rate(t.ce, t.positions) - rate(i.ce, i.positions)),
         }
-        for key in sums:
-            if key.endswith("/steps"):
-                k = key.split("/")[0]
-                out[f"val/tau_{k}"] = rate(f"{k}/emitted", key)
-                for j in range(1, int(k[1:]) + 1):
-                    out[f"val/accept_{k}_pos{j}"] = rate(f"{k}/accepted{j}", f"{k}/tried{j}")
+        for k, c in self.chains.items():
+            out[f"val/tau_k{k}"] = rate(c.emitted, c.steps)
+            for j in range(k):
+                out[f"val/accept_k{k}_pos{j + 1}"] = rate(c.accepted[j], c.tried[j])
         return out
-
-
-def empty_sums(chains: list[int]) -> dict[str, float]:
-    """Every key a process's sums have, whether or not it has prompts: the cross-process reduce
-    adds them position by position."""
-    keys = [f"{p}/{m}" for p in ("trainer", "inference") for m in ("ce", "top1", "n")]
-    for k in chains:
-        keys += [f"k{k}/steps", f"k{k}/emitted"]
-        keys += [f"k{k}/{m}{j}" for j in range(1, k + 1) for m in ("tried", "accepted")]
-    return dict.fromkeys(keys, 0.0)
 
 
 def write_report(report: dict, path: Path) -> None:
