@@ -3,11 +3,13 @@ validation inside the training job.
 
     python -m benchmarks.bench_multigpu --gpus 2 --tokenizer SMOLLM2_DIR --data gsm8k_train.jsonl
     python -m benchmarks.bench_multigpu --gpus 2 --tokenizer SMOLLM2_DIR --target SMOLLM2_DIR \
-        --model smollm2_135m --data a.jsonl,b.jsonl --sections precompute,train,validate --zero 2
+        --model smollm2_135m --data a.jsonl,b.jsonl --sections precompute,train,validate \
+        --zero 2
 
 By default a random Llama (1B-class shape, SmolLM2's tokenizer) and the data files make the store;
-`--target` uses a real model instead, whose loss falls, so the curves compare learning. Each run is a real launch (`accelerate launch`), and the figures come from the runs' own
-outputs: the store manifests and the trainer's `metrics.jsonl`. The 1-GPU runs use the same global
+`--target` uses a real model instead, whose loss falls, so the curves compare learning. Each run is
+a real launch (`accelerate launch`), and the figures come from the runs' own outputs: the store
+manifests, the precompute logs and the trainer's `metrics.jsonl`. The 1-GPU runs use the same global
 batch as the N-GPU runs (accumulation N), so their loss curves must agree within bf16 noise.
 """
 
@@ -90,6 +92,7 @@ def bench_precompute(n: int, work: Path, base: list[str]) -> dict:
     figures: dict = {}
     for g in (1, n):
         rd, log = work / f"pre{g}", work / f"pre{g}.log"
+        shutil.rmtree(rd, ignore_errors=True)  # a store found complete would print no rates
         seconds = run(launch(g, None, "mtp_train.precompute") + base + [f"run_dir={rd}"], visible(g), log)
         manifest = json.loads((rd / "store" / "manifest.json").read_text())
         rates = precompute_rates(log)
@@ -245,6 +248,8 @@ def main() -> None:
     if "train" in sections:
         figures.update(bench_training(n, work, train, [int(z) for z in args.zero.split(",")], args.steps))
     if "resume" in sections:
+        if not (work / f"z2_{n}" / "train" / "metrics.jsonl").exists():
+            sys.exit("--sections resume compares with the ZeRO-2 train run: add train (with --zero 2)")
         figures.update(bench_resume(n, work, train, work / f"z2_{n}"))
     if "validate" in sections:
         figures.update(bench_validation(n, work, train, args.steps))

@@ -1,7 +1,9 @@
-"""The quality experiment on SmolLM2-135M-Instruct (one GPU or a few): EAGLE's head vs the rmsnorm-restored
-head vs the restored head trained on three chained steps, each with its own learning-rate sweep.
+"""The quality experiment on SmolLM2-135M-Instruct (one GPU or a few): EAGLE's head vs the
+rmsnorm-restored head vs the restored head trained on three chained steps, each with its own
+learning-rate sweep.
 
-    python -m experiments.quality_smollm2 run TARGET CHAT_PROMPTS.jsonl GSM8K.jsonl RUN_DIR [plan.FIELD=V ...] [HYDRA=V ...]
+    python -m experiments.quality_smollm2 run TARGET CHAT_PROMPTS.jsonl GSM8K.jsonl RUN_DIR \
+        [plan.FIELD=V ...] [HYDRA=V ...]
     python -m experiments.quality_smollm2 report RUN_DIR docs/results
 
 `plan.FIELD=V` changes the experiment's `Plan` (e.g. `plan.steps=20 plan.lrs=1e-3,2e-3` for a
@@ -25,7 +27,8 @@ running it again:
 Expected on one H200 (from the measured parts): regenerate ≈ 200 s (34k prompts, 5.4M new
 tokens), precompute ≈ 20 s (9.2M tokens), the sweep ≈ 10–12 min (nine 600-step runs of 32k-token
 micro-batches sharing the GPU; one run alone trains at 408k tokens/s, 133k with unroll 3),
-validation ≈ 3 min; two GPUs take about half as long. Every stage resumes, so a run cut short by a time limit continues where it was.
+validation ≈ 3 min; two GPUs take about half as long. Every stage resumes, so a run cut short by a
+time limit continues where it was.
 """
 
 from __future__ import annotations
@@ -126,7 +129,8 @@ class Runner:
         # oversubscribes the CPU, and a small head's training step is CPU-bound.
         env = {"OMP_NUM_THREADS": str(threads)}
         if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # index i is the parent's i-th GPU
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
         with self.commands.open("a") as f:
             f.write(shlex.join([*(f"{k}={v}" for k, v in env.items()), "python", *cmd[1:]]) + "\n")
         log = (self.logs / f"{job.name}.log").open("a")
@@ -185,7 +189,8 @@ def split_prompts(chat: Path, run_dir: Path, plan: Plan) -> tuple[Path, Path]:
 
 def unroll_steps(head: Head) -> int:
     """The chained steps a head trains on (its training costs about that many single steps)."""
-    return next(int(o.split("=")[1]) for o in head.overrides if o.startswith("train.unroll_steps="))
+    given = [int(o.split("=")[1]) for o in head.overrides if o.startswith("train.unroll_steps=")]
+    return given[0] if given else 1
 
 
 def run_name(head: Head, lr: float) -> str:
@@ -238,8 +243,10 @@ def shares(path: Path, n: int, run_dir: Path) -> list[Path]:
     parts = [run_dir / "prompts" / f"{path.stem}.share{i}of{n}.jsonl" for i in range(n)]
     if not all(p.exists() for p in parts):
         lines = [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-        for i, part in enumerate(parts):
-            part.write_text("".join(f"{x}\n" for x in lines[i::n]), encoding="utf-8")
+        for i, part in enumerate(parts):  # renamed into place: a killed write leaves no short share
+            partial = part.with_suffix(".partial")
+            partial.write_text("".join(f"{x}\n" for x in lines[i::n]), encoding="utf-8")
+            partial.rename(part)
     return parts
 
 
@@ -251,7 +258,9 @@ def data_jobs(
     if (run_dir / "store/manifest.json").exists():
         return [], []
     n = max(1, gpus)
-    outputs = [run_dir / f"regenerated.{i}.jsonl" for i in range(n)]
+    # the share count is in the name: a rerun with another GPU count starts its own files rather
+    # than answering a share again next to a file that already holds it
+    outputs = [run_dir / f"regenerated.share{i}of{n}.jsonl" for i in range(n)]
     regenerate = [
         Job(
             f"regenerate{i}",

@@ -102,8 +102,9 @@ def cache_slots(
     lengths: torch.Tensor, max_len: int, new: int, static: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [B, new] the next `new` tokens of each row take after its `lengths[b]` committed
-    entries, and their attention mask. `static` attends over the whole cache (masked) instead of
-    the longest row: no host sync and fixed shapes, as a CUDA graph needs."""
+    entries, and their attention mask. Keys run to the longest row rounded up to a `KEY_BLOCK`;
+    `static` attends over the whole cache (masked) instead: no host sync and fixed shapes, as a
+    CUDA graph needs."""
     slots = lengths[:, None] + torch.arange(new, device=lengths.device)
     if static:
         return slots, cache_mask(lengths, new, max_len)

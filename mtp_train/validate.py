@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
 import hydra
@@ -223,7 +223,7 @@ def run_validation(cfg: RunConfig) -> dict:
             run, _, tokens = speculative_pass(ev, prompts, k, temperature, vc, vc.seed)
             if temperature == 0:
                 run["identical_to_target_greedy"] = tokens == base_tokens
-                # in bf16 near-ties can part the texts (see validate.dtype): how many answers did
+                # in bf16 near-ties can part the texts (see validate.dtype): the share that did not
                 same = sum(a == b for a, b in zip(tokens, base_tokens))
                 run["identical_answers"] = same / max(1, len(base_tokens))
             run["speedup_vs_target_only"] = run["tokens_per_s"] / baseline["tokens_per_s"]
@@ -328,7 +328,7 @@ class ValidationSums:
         return cls(PathSums(), PathSums(), {k: ChainSums(0.0, 0.0, [0.0] * k, [0.0] * k) for k in chains})
 
     def flat(self) -> list[float]:
-        values = [*vars(self.trainer).values(), *vars(self.inference).values()]
+        values = [*astuple(self.trainer), *astuple(self.inference)]
         for c in self.chains.values():
             values += [c.steps, c.emitted, *c.tried, *c.accepted]
         return values
@@ -340,7 +340,8 @@ class ValidationSums:
         def take(n: int) -> list[float]:
             return [next(it) for _ in range(n)]
 
-        trainer, inference = PathSums(*take(3)), PathSums(*take(3))
+        per_path = len(fields(PathSums))
+        trainer, inference = PathSums(*take(per_path)), PathSums(*take(per_path))
         chains = {k: ChainSums(*take(2), take(k), take(k)) for k in self.chains}
         return ValidationSums(trainer, inference, chains)
 
