@@ -22,6 +22,12 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+def eos_token_ids(hf: dict) -> tuple[int, ...]:
+    """config.json's `eos_token_id` (one id, a list, or absent) as a tuple."""
+    eos = hf.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """Shape of a `LlamaForCausalLM` checkpoint (Llama 2/3.x, SmolLM2, ...)."""
@@ -59,8 +65,7 @@ class LlamaConfig:
                 high_freq_factor=rope["high_freq_factor"],
                 original_max_position_embeddings=rope["original_max_position_embeddings"],
             )
-        eos = hf.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        eos = eos_token_ids(hf)
         heads = hf["num_attention_heads"]
         return cls(
             vocab_size=hf["vocab_size"],

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_ref.attention import cache_slots, packed_causal_attention
+from inference_ref.config import eos_token_ids
 from inference_ref.llama import CausalLM, Fp32Frequencies, RMSNorm
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, init_random, read_tensors, safetensors_files
 
@@ -127,8 +128,7 @@ class DeepseekV2Config:
         check_supported(hf)
         rope = dict(hf.get("rope_scaling") or {})
         rope.update(hf.get("rope_parameters") or {})
-        eos = hf.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        eos = eos_token_ids(hf)
         max_pos = hf.get("max_position_embeddings", 163840)
         return cls(
             vocab_size=hf["vocab_size"],
