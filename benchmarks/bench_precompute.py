@@ -92,6 +92,37 @@ def check_agreement(model, hf, ids: torch.Tensor) -> float:
     return float((model.norm(ours) - ref).abs().max() / ref.abs().max())
 
 
+def side_by_side(
+    model, hf, cfg, tokens: int, batch_tokens: int, warmup: int, agreement_tokens: int | None = None
+) -> dict:
+    """Random sequences of lognormal lengths through transformers (length-sorted, padded) and
+    through ours (packed), both warmed up on `warmup` batches first; throughputs, HF's padding
+    efficiency, and the two models' agreement on the first sequence (its first
+    `agreement_tokens`)."""
+    lengths = lognormal_lengths(tokens)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    total = sum(lengths)
+    hf_batches = padded_batches(lengths, batch_tokens)
+    our_batches = packed_batches(lengths, batch_tokens)
+    run_hf(hf, seqs, hf_batches[-warmup:])  # kernels, allocator
+    run_ours(model, seqs, our_batches[:warmup], cfg.hidden_size)
+    agreement = check_agreement(model, hf, seqs[0][:agreement_tokens])
+    t_hf = run_hf(hf, seqs, hf_batches)
+    t_ours = run_ours(model, seqs, our_batches, cfg.hidden_size)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in hf_batches)
+    return {
+        "tokens": total,
+        "sequences": len(lengths),
+        "batch_tokens": batch_tokens,
+        "hf_sorted_padded_tokens_per_s": total / t_hf,
+        "hf_pad_efficiency": total / padded,
+        "inference_ref_packed_tokens_per_s": total / t_ours,
+        "speedup": t_hf / t_ours,
+        "max_rel_diff_vs_hf_normed_hidden": agreement,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="llama3_8b")
@@ -106,36 +137,17 @@ def main() -> None:
     model = random_llama(cfg, device=DEVICE, dtype=DTYPE)
     hf = hf_copy(model, HFLlama)
 
-    lengths = lognormal_lengths(args.tokens)
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
-    tokens = sum(lengths)
-    hf_batches = padded_batches(lengths, args.batch_tokens)
-    our_batches = packed_batches(lengths, args.batch_tokens)
-    # Warm up both (kernels, allocator) on a few batches.
-    run_hf(hf, seqs, hf_batches[-3:])
-    run_ours(model, seqs, our_batches[:3], cfg.hidden_size)
-    agreement = check_agreement(model, hf, seqs[0])
-    t_hf = run_hf(hf, seqs, hf_batches)
-    t_ours = run_ours(model, seqs, our_batches, cfg.hidden_size)
-    padded = sum(len(b) * max(lengths[i] for i in b) for b in hf_batches)
+    run = side_by_side(model, hf, cfg, args.tokens, args.batch_tokens, warmup=3)
     flops = linear_flops_per_token(cfg)
-    ours_tps, hf_tps = tokens / t_ours, tokens / t_hf
+    ours_tps = run["inference_ref_packed_tokens_per_s"]
     write_result(
         f"precompute_{args.shape}",
         {
             "command": f"python -m benchmarks.bench_precompute --shape {args.shape} --tokens {args.tokens}",
-            "tokens": tokens,
-            "sequences": len(lengths),
-            "batch_tokens": args.batch_tokens,
-            "hf_sorted_padded_tokens_per_s": hf_tps,
-            "hf_pad_efficiency": tokens / padded,
-            "inference_ref_packed_tokens_per_s": ours_tps,
-            "speedup": ours_tps / hf_tps,
+            **run,
             "linear_roofline_tokens_per_s": PEAK_BF16 / flops,
             "inference_ref_fraction_of_roofline": ours_tps * flops / PEAK_BF16,
             "attention_kernel": packed_kernel(),
-            "max_rel_diff_vs_hf_normed_hidden": agreement,
         },
     )
 

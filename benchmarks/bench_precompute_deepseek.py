@@ -11,8 +11,8 @@ import argparse
 
 import torch
 
-from benchmarks.bench_precompute import check_agreement, packed_batches, padded_batches, run_hf, run_ours
-from benchmarks.common import DEEPSEEK_V2_LITE, DEVICE, DTYPE, lognormal_lengths, write_result
+from benchmarks.bench_precompute import side_by_side
+from benchmarks.common import DEEPSEEK_V2_LITE, DEVICE, DTYPE, write_result
 from inference_ref.attention import packed_kernel
 from inference_ref.deepseek_v2 import (
     DeepseekV2Config,
@@ -67,38 +67,20 @@ def main() -> None:
     cfg = DeepseekV2Config.from_hf(hf_cfg)
     model = random_deepseek_v2(cfg, DEVICE, DTYPE)
     hf = hf_copy(model)
-    lengths = lognormal_lengths(args.tokens)
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
-    tokens = sum(lengths)
-    hf_batches = padded_batches(lengths, args.batch_tokens)
-    our_batches = packed_batches(lengths, args.batch_tokens)
-    run_hf(hf, seqs, hf_batches[-2:])
-    run_ours(model, seqs, our_batches[:2], cfg.hidden_size)
-    agreement = check_agreement(model, hf, seqs[0][:512])
-    t_hf = run_hf(hf, seqs, hf_batches)
-    t_ours = run_ours(model, seqs, our_batches, cfg.hidden_size)
-    padded = sum(len(b) * max(lengths[i] for i in b) for b in hf_batches)
-    ours_tps, hf_tps = tokens / t_ours, tokens / t_hf
+    run = side_by_side(model, hf, cfg, args.tokens, args.batch_tokens, warmup=2, agreement_tokens=512)
+    ours_tps = run["inference_ref_packed_tokens_per_s"]
     flops = active_flops_per_token(cfg)
     write_result(
         "precompute_deepseek_v2_lite",
         {
             "command": f"python -m benchmarks.bench_precompute_deepseek --tokens {args.tokens}",
             "layers": cfg.num_hidden_layers,
-            "tokens": tokens,
-            "sequences": len(lengths),
-            "batch_tokens": args.batch_tokens,
-            "hf_sorted_padded_tokens_per_s": hf_tps,
-            "hf_pad_efficiency": tokens / padded,
-            "inference_ref_packed_tokens_per_s": ours_tps,
-            "speedup": ours_tps / hf_tps,
+            **run,
             "active_linear_gflop_per_token": flops / 1e9,
             "inference_ref_tflops_per_s": ours_tps * flops / 1e12,
             "attention_kernel": packed_kernel(),
             "expert_kernel": grouped_kernel(),
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None,
-            "max_rel_diff_vs_hf_normed_hidden": agreement,
         },
     )
 
