@@ -127,7 +127,7 @@ class MTPDraft(nn.Module):
         if spec.restored:
             self.enorm, self.hnorm, self.norm = RMSNorm(h, eps), RMSNorm(h, eps), RMSNorm(h, eps)
         self.fc = nn.Linear(2 * h, h, bias=not spec.restored)
-        self.layer, self.rotary = layer_of_kind(spec)
+        self.layer, self.rotary, self.cache_type = layer_of_kind(spec)
         if not spec.restored:
             self.layer.input_layernorm = nn.Identity()
 
@@ -157,8 +157,7 @@ class MTPDraft(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> Cache:
         w = self.fc.weight
-        cache_type = LatentCache if self.spec.layer.model_type == "deepseek_v2" else KVCache
-        return cache_type.empty(self.spec.layer, 1, batch, max_len, w.device, w.dtype)
+        return self.cache_type.empty(self.spec.layer, 1, batch, max_len, w.device, w.dtype)
 
     def project(self, state: torch.Tensor, tokens: torch.Tensor, from_target: bool) -> torch.Tensor:
         """fc input from (state, next token): the target's h, or the draft's own y when chained."""
@@ -203,13 +202,14 @@ class MTPDraft(nn.Module):
         return self.lm_head(z).float()
 
 
-def layer_of_kind(spec: HeadSpec) -> tuple[nn.Module, nn.Module]:
-    """The head's decoder layer and rotary table, of the target's kind. A DeepSeek-kind head's MLP
-    is dense (`intermediate_size` wide) or the target's MoE block, as `mtp_train.heads` trains it."""
+def layer_of_kind(spec: HeadSpec) -> tuple[nn.Module, nn.Module, type]:
+    """The head's decoder layer, rotary table and cache type, of the target's kind. A DeepSeek-kind
+    head's MLP is dense (`intermediate_size` wide) or the target's MoE block, as `mtp_train.heads`
+    trains it."""
     cfg = spec.layer
     if cfg.model_type == "deepseek_v2":
-        return ds.DecoderLayer(cfg, moe=spec.mlp == "moe"), ds.Rotary(cfg)
-    return DecoderLayer(cfg), Rotary(cfg)
+        return ds.DecoderLayer(cfg, moe=spec.mlp == "moe"), ds.Rotary(cfg), LatentCache
+    return DecoderLayer(cfg), Rotary(cfg), KVCache
 
 
 def load_draft(path: str | Path, target: TargetModel) -> MTPDraft:
