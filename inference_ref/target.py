@@ -4,10 +4,10 @@ The kind is that `model_type`: each config class carries it as `model_type`, and
 is the one table from a kind to what makes a target of it. Code elsewhere asks
 `cfg.model_type == ...` or looks a kind up in `KINDS`.
 
-Every kind has a config with `from_hf` / `to_hf` / `fingerprint` and a model with the interface
-below (`forward_packed`, `new_cache`, `forward_cached`, `logits`; embeddings, final norm and
-lm_head under the same attribute names), so precompute, generation, the speculative loop and
-validation run any of them unchanged.
+Every kind has a config with `from_hf` / `to_hf` / `fingerprint` and a model built on
+`llama.CausalLM` (`forward_packed`, `new_cache`, `forward_cached`, `logits`; embeddings, final
+norm and lm_head under the same attribute names), so precompute, generation, the speculative loop
+and validation run any of them unchanged.
 """
 
 from __future__ import annotations
@@ -15,37 +15,21 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from inference_ref.config import LlamaConfig
 from inference_ref.deepseek_v2 import DeepseekV2Config, LatentCache, load_deepseek_v2
-from inference_ref.llama import KVCache
+from inference_ref.llama import CausalLM, KVCache
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, load_llama, read_tensors
 
 TargetConfig = LlamaConfig | DeepseekV2Config
 Cache = KVCache | LatentCache
 
 
-class TargetModel(Protocol):
-    """What the pipeline uses of a target (`LlamaModel`, `DeepseekV2Model`)."""
-
-    cfg: TargetConfig
-    embed_tokens: nn.Embedding
-    norm: nn.Module
-    lm_head: nn.Linear
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    def forward_packed(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, logits_at: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-    def new_cache(self, batch: int, max_len: int) -> Cache: ...
-
-    def forward_cached(self, input_ids: torch.Tensor, cache: Cache, static: bool = False) -> torch.Tensor: ...
+TargetModel = CausalLM
+"""What the pipeline uses of a target: the skeleton `LlamaModel` and `DeepseekV2Model` share."""
 
 
 class Kind(NamedTuple):
