@@ -1,6 +1,7 @@
 """Speculative decoding against target-only decoding in wall-clock, greedy, at small batches:
 a real target, a trained head, MT-bench first turns. Target-only is `generate` (its decode step a
-CUDA graph); speculative is `speculative_generate`, eager and with each step a CUDA graph.
+CUDA graph); speculative is `speculative_generate`, eager (with and without cuDNN's attention)
+and with each step a CUDA graph.
 Greedy outputs are compared, so a speed-up is never bought with other tokens.
 
     python -m benchmarks.bench_speculative --target DIR --head DIR [--batch 1 8] [--k 1 2 3 4]
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+import torch
 from transformers import AutoTokenizer
 
 from benchmarks.common import DEVICE, DTYPE, timed, write_result
@@ -31,8 +33,18 @@ def target_only_all(target, groups, new: int, eos) -> list[list[int]]:
     return [t for g in groups for t in generate(target, g, new, eos)]
 
 
-def speculative_all(target, draft, groups, new: int, eos, k: int, graph: bool) -> list:
-    return [speculative_generate(target, draft, g, new, eos, k, graph=graph) for g in groups]
+VARIANTS = ("eager", "eager_no_cudnn", "graph")
+"""eager; eager with cuDNN's SDPA backend off (it builds a plan per new attention shape on the
+host); each step one CUDA graph replay."""
+
+
+def speculative_all(target, draft, groups, new: int, eos, k: int, variant: str) -> list:
+    torch.backends.cuda.enable_cudnn_sdp(variant != "eager_no_cudnn")
+    try:
+        graph = variant == "graph"
+        return [speculative_generate(target, draft, g, new, eos, k, graph=graph) for g in groups]
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 def main() -> None:
@@ -44,6 +56,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--new", type=int, default=256)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = p.parse_args()
     target = load_target(args.target, DEVICE, DTYPE)
     draft = load_draft(args.head, target)
@@ -52,7 +65,8 @@ def main() -> None:
     prompts = prompt_ids(tokenizer, [q.turns[0] for q in load_prompts([args.prompts], limit=args.num)])
     command = (
         f"python -m benchmarks.bench_speculative --target {args.target} --head {args.head} "
-        f"--batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new}"
+        f"--batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new} --num {args.num} "
+        f"--variants {' '.join(args.variants)}"
     )
     rows = []
     for batch in args.batch:
@@ -64,8 +78,9 @@ def main() -> None:
         rows.append(row)
         print(f"batch {batch}: target-only {row['target_only_tokens_per_s']:,.0f} tok/s", flush=True)
         for k in args.k:
-            for graph in (False, True):
-                row.update(speculative_row(target, draft, groups, base, args.new, eos, k, graph, row))
+            for variant in args.variants:
+                speculative_all(target, draft, groups[:1], 16, eos, k, variant)  # warm-up
+                row.update(speculative_row(target, draft, groups, base, args.new, eos, k, variant, row))
                 # written after every measurement: a run cut short keeps what it measured
                 write_result(
                     "speculative_wallclock",
@@ -73,18 +88,22 @@ def main() -> None:
                 )
 
 
-def speculative_row(target, draft, groups, base, new: int, eos, k: int, graph: bool, row: dict) -> dict:
-    """One (k, eager or graph) measurement against the row's target-only figure."""
-    outs, seconds = timed_call(speculative_all, target, draft, groups, new, eos, k, graph)
+def speculative_row(target, draft, groups, base, new: int, eos, k: int, variant: str, row: dict) -> dict:
+    """One (k, variant) measurement against the row's target-only figure."""
+    outs, seconds = timed_call(speculative_all, target, draft, groups, new, eos, k, variant)
     tokens = [t for o in outs for t in o.tokens]
-    name = f"k{k}_{'graph' if graph else 'eager'}"
+    name = f"k{k}_{variant}"
     tokens_per_s = sum(map(len, tokens)) / seconds
     figures = {
         f"{name}_tokens_per_s": tokens_per_s,
         f"{name}_speedup": tokens_per_s / row["target_only_tokens_per_s"],
         f"{name}_tau": sum(o.stats.emitted for o in outs) / sum(o.stats.steps for o in outs),
         f"{name}_same_tokens_as_target": tokens == base,
+        f"{name}_seconds": seconds,
     }
+    if variant != "graph":  # the eager loop times its phases (synchronizing around each)
+        figures[f"{name}_draft_s"] = sum(o.stats.draft_s for o in outs)
+        figures[f"{name}_target_s"] = sum(o.stats.target_s for o in outs)
     print(
         f"batch {row['batch']} {name}: {tokens_per_s:,.0f} tok/s, {figures[f'{name}_speedup']:.2f}x",
         flush=True,

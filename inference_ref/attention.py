@@ -10,6 +10,8 @@ Cached: queries [B, S, heads, d] for S new tokens per row, against a KV cache wh
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -24,8 +26,17 @@ def _varlen_kernel():
 
 _VARLEN = _varlen_kernel()
 _varlen_failed: str | None = None  # why the varlen kernel was given up on, once, if it was
+# FlashAttention shares each K/V head among its query group itself; torch ≥ 2.13 asks for it by
+# name. Where a build refuses un-repeated K/V, K/V are repeated from then on.
+_GQA_OPTION = (
+    {"enable_gqa": True} if _VARLEN and "enable_gqa" in inspect.signature(_VARLEN).parameters else {}
+)
+_gqa_native = True
 
 
+# Not traced by torch.compile (`CausalLM.compile_layers`): the kernel choice and its fallbacks are
+# Python state; a compiled layer runs this as a graph break between its fused halves.
+@torch.compiler.disable
 def packed_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
 ) -> torch.Tensor:
@@ -49,14 +60,23 @@ def packed_kernel() -> str:
     """Which kernel `packed_causal_attention` uses on CUDA (reported by benchmarks)."""
     if _VARLEN is None or _varlen_failed is not None:
         return f"SDPA per sequence ({_varlen_failed or 'no varlen_attn in this torch'})"
-    return "varlen_attn (FlashAttention) on CUDA"
+    gqa = "K/V heads shared in the kernel" if _gqa_native else "K/V repeated per query head"
+    return f"varlen_attn (FlashAttention) on CUDA, {gqa}"
 
 
 def _varlen(q, k, v, cu_seqlens, max_len, **options):
-    group = q.shape[1] // k.shape[1]
-    # Repeating KV costs a copy but keeps to the kernel's most portable signature.
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    global _gqa_native
     cu = cu_seqlens.to(torch.int32)
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and _gqa_native:
+        try:
+            return _VARLEN(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), **_GQA_OPTION, **options)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError):
+            _gqa_native = False
+    if group > 1:  # a copy of K/V per query head: the kernel's most portable signature
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return _VARLEN(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), **options)
 
 

@@ -190,6 +190,15 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
+        self.packed_layer = packed_layer_forward
+
+    def compile_layers(self) -> None:
+        """Run each layer's packed forward through torch.compile (dynamic shapes, one compiled
+        graph shared by all layers of a kind): the elementwise chains between the matmuls
+        (RMSNorm, rotary, SiLU·up, the residual adds) fuse into a few kernels, and attention stays
+        the eager varlen call between the two compiled halves. Worth its compile time (tens of
+        seconds) on a long precompute; the cached (decode) forward is not affected."""
+        self.packed_layer = torch.compile(packed_layer_forward, dynamic=True)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from pre-norm hidden states, in fp32."""
@@ -206,7 +215,7 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer.forward_packed(x, cos, sin, cu_seqlens, max_len)
+            x = self.packed_layer(layer, x, cos, sin, cu_seqlens, max_len)
         logits = None if logits_at is None else self.logits(x[logits_at])
         return x, logits
 
@@ -233,6 +242,11 @@ class LlamaModel(CausalLM):
     def __init__(self, cfg: LlamaConfig):
         layers = [DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
         super().__init__(cfg, layers, Rotary(cfg), KVCache)
+
+
+def packed_layer_forward(layer: nn.Module, x, cos, sin, cu_seqlens, max_len: int) -> torch.Tensor:
+    """One layer's packed forward; the unit `CausalLM.compile_layers` compiles."""
+    return layer.forward_packed(x, cos, sin, cu_seqlens, max_len)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -72,6 +72,7 @@ class RankJob:
     shard_tokens: int
     hidden_dtype: str
     model_dtype: str
+    compile: bool = False
 
     @property
     def complete(self) -> bool:
@@ -119,6 +120,7 @@ def prepare(cfg, rank: int, world: int) -> RankJob:
         shard_tokens=pc.shard_tokens,
         hidden_dtype=pc.hidden_dtype,
         model_dtype=cfg.model.dtype,
+        compile=pc.compile,
     )
 
 
@@ -233,6 +235,8 @@ def precompute_rank(job: RankJob, device) -> None:
     if todo:
         device = torch.device(device)
         model = load_target(job.target_dir, device, model_dtype(job.model_dtype, device))
+        if job.compile and device.type == "cuda":
+            model.compile_layers()
         started = time.perf_counter()
         tokens = write_hidden_states(model, job, todo, writer)
         seconds = time.perf_counter() - started

@@ -30,15 +30,17 @@ class Progress:
     def __init__(self, acc, cfg, total_steps: int, start_step: int):
         self.acc, self.every, self.total = acc, cfg.logging.log_every, total_steps
         self.start_step, self.started = start_step, time.time()
-        self.window_tokens, self.window_start = 0, time.time()
+        self.window_tokens, self.window_start, self.window_wait = 0, time.time(), 0.0
         self.wandb = start_wandb(cfg) if acc.is_main_process else None
         self.last: dict[str, float] = {}
         self.tokens = 0  # stored tokens this process trained on since (re)start
         self.metrics_file = Path(cfg.train.out_dir) / "metrics.jsonl"  # appended to on resume
         self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
 
-    def step(self, step: int, stats, grad_norm, lr: float) -> None:
-        """stats: one (loss, metrics, tokens) per micro-batch of this process."""
+    def step(self, step: int, stats, grad_norm, lr: float, data_wait_s: float = 0.0) -> None:
+        """stats: one (loss, metrics, tokens) per micro-batch of this process; data_wait_s: how
+        long this step waited for its micro-batches (the loader thread had not built them yet)."""
+        self.window_wait += data_wait_s
         self.window_tokens += sum(t for _, _, t in stats)
         self.tokens += sum(t for _, _, t in stats)
         if step % self.every and step != self.total:
@@ -50,10 +52,12 @@ class Progress:
             lr=lr,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             tokens_per_s=tokens / max(elapsed, 1e-9),
+            # share of the window this process spent waiting for data: 0 when the loader keeps up
+            data_wait_share=self.window_wait / max(elapsed, 1e-9),
         )
         if torch.cuda.is_available():
             values["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        self.window_tokens, self.window_start = 0, time.time()
+        self.window_tokens, self.window_start, self.window_wait = 0, time.time(), 0.0
         self.last = values
         if not self.acc.is_main_process:
             return

@@ -127,9 +127,12 @@ def train(cfg: RunConfig) -> Path:
     param_dtype = next(acc.unwrap_model(objective).head.parameters()).dtype
     validator = None  # built at the first validation (it loads the target once)
     for step in range(start, tc.steps):
-        stats = []
+        stats, waited = [], 0.0
         for _ in range(tc.grad_accum):
-            batch = next(batches).to(acc.device, param_dtype)
+            asked = time.perf_counter()
+            batch = next(batches)
+            waited += time.perf_counter() - asked
+            batch = batch.to(acc.device, param_dtype)
             with acc.accumulate(objective):
                 loss, metrics = objective(batch)
                 acc.backward(loss)
@@ -139,7 +142,7 @@ def train(cfg: RunConfig) -> Path:
                 optimizer.zero_grad()
             stats.append((loss.detach(), metrics, batch.tokens))
         scheduler.step()
-        progress.step(step + 1, stats, grad_norm, scheduler.get_last_lr()[0])
+        progress.step(step + 1, stats, grad_norm, scheduler.get_last_lr()[0], waited)
         done = step + 1
         if tc.save_every and (done % tc.save_every == 0 or done == tc.steps):
             checkpoint.save(acc, out_dir, done, objective, optimizer, scheduler)

@@ -111,7 +111,7 @@ def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, see
 
     def generate_ids(ids):
         out = speculative_generate(
-            ev.target, ev.draft, ids, vc.max_new_tokens, ev.eos, k, temperature, generator
+            ev.target, ev.draft, ids, vc.max_new_tokens, ev.eos, k, temperature, generator, vc.cuda_graph
         )
         merge(stats, out.stats)
         return out.tokens

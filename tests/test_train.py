@@ -83,6 +83,7 @@ def test_training_on_smollm2_lowers_loss_and_raises_top1(smollm2, tmp_path):
     last = sum(m[s]["ce"] for s in (22, 23, 24)) / 3
     assert last < first - 0.5, (first, last)
     assert sum(m[s]["top1"] for s in (22, 23, 24)) / 3 > sum(m[s]["top1"] for s in (1, 2, 3)) / 3 + 0.1
+    assert all(0 <= row["data_wait_share"] < 1 for row in m.values())
 
 
 def test_kill_and_resume_reproduces_the_uninterrupted_curve(tiny_target, tiny_store, tmp_path):
