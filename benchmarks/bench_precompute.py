@@ -174,10 +174,13 @@ def side_by_side(
     t_ours = run_ours(model, seqs, our_batches, cfg.hidden_size)
     padded = sum(len(b) * max(lengths[i] for i in b) for b in hf_batches)
     extra = {}
-    if compiled:
-        extra["profile_eager"] = kernel_breakdown(model, seqs, our_batches[0], cfg.hidden_size)
-        extra.update(compiled_run(model, seqs, our_batches, cfg.hidden_size, warmup))
-        extra["profile_compiled"] = kernel_breakdown(model, seqs, our_batches[0], cfg.hidden_size)
+    if compiled:  # a failure here is reported, not allowed to lose the side-by-side figures
+        try:
+            extra["profile_eager"] = kernel_breakdown(model, seqs, our_batches[0], cfg.hidden_size)
+            extra.update(compiled_run(model, seqs, our_batches, cfg.hidden_size, warmup))
+            extra["profile_compiled"] = kernel_breakdown(model, seqs, our_batches[0], cfg.hidden_size)
+        except Exception as e:  # noqa: BLE001 (reported in the results)
+            extra["compiled_or_profile_error"] = f"{type(e).__name__}: {e}"[:2000]
     return {
         "tokens": total,
         "sequences": len(lengths),
