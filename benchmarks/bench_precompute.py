@@ -102,8 +102,8 @@ def compiled_run(model, seqs, batches, hidden_size: int, warmup: int) -> dict:
 
 
 KERNEL_KINDS = (  # (kind, substrings of the CUDA kernel name), first match wins
+    ("attention", ("flash", "fmha", "attention")),  # before matmul: its name holds "cutlass"
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas")),
-    ("attention", ("flash", "fmha", "attention")),
     ("fused elementwise (triton)", ("triton",)),
     ("copy", ("copy", "memcpy", "memset", "cat")),
 )

@@ -7,6 +7,7 @@ layer runs two large matmuls where the checkpoint has five. Hidden states are re
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -197,8 +198,23 @@ class CausalLM(nn.Module):
         graph shared by all layers of a kind): the elementwise chains between the matmuls
         (RMSNorm, rotary, SiLU·up, the residual adds) fuse into a few kernels, and attention stays
         the eager varlen call between the two compiled halves. Worth its compile time (tens of
-        seconds) on a long precompute; the cached (decode) forward is not affected."""
-        self.packed_layer = torch.compile(packed_layer_forward, dynamic=True)
+        seconds) on a long precompute; the cached (decode) forward is not affected. Where this
+        machine's toolchain cannot compile, the first call says so and the layers run eager."""
+        compiled = torch.compile(packed_layer_forward, dynamic=True)
+
+        def compiled_or_eager(*args):
+            try:
+                return compiled(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 (Inductor raises many kinds; eager re-raises a real error)
+                warnings.warn(
+                    f"compiled layers unavailable, running them eager: {type(e).__name__}: {e}", stacklevel=2
+                )
+                self.packed_layer = packed_layer_forward
+                return packed_layer_forward(*args)
+
+        self.packed_layer = compiled_or_eager
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from pre-norm hidden states, in fp32."""

@@ -47,6 +47,8 @@ class SpecStats:
     """Tokens those forwards produced (accepted + 1 each; tokens past an EOS or the limit included)."""
     draft_s: float = 0.0
     target_s: float = 0.0
+    graphed: bool = False
+    """Steps ran as CUDA graph replays: draft_s / target_s then cover the prefills only."""
 
     def __post_init__(self):
         self.tried, self.accepted = [0] * self.k, [0] * self.k
@@ -61,8 +63,8 @@ class SpecStats:
         """τ: tokens emitted per target verify forward, 1 … k+1."""
         return self.emitted / self.steps if self.steps else float("nan")
 
-    def record(self, n_accepted: torch.Tensor, active: torch.Tensor) -> None:
-        n = n_accepted[active].tolist()
+    def record(self, n_accepted: list[int], active: list[bool]) -> None:
+        n = [a for a, live in zip(n_accepted, active) if live]
         for j in range(self.k):
             self.tried[j] += sum(a >= j for a in n)
             self.accepted[j] += sum(a > j for a in n)
@@ -105,19 +107,22 @@ def speculative_generate(
     with clock.time("draft"):
         draft_cache, y = draft_prefill(draft, hidden, prompts, last, max_len)
     outputs: list[list[int]] = [[] for _ in prompts]
-    everyone = torch.ones_like(last, dtype=torch.bool)
-    active = emit(outputs, everyone, last[:, None], torch.zeros_like(last), eos, max_new_tokens)
+    active = emit(outputs, [True] * len(prompts), [[0, t] for t in last.tolist()], eos, max_new_tokens)
 
     use_graph = graph and device.type == "cuda" and temperature == 0
     step = SpecStep(target, draft, target_cache, draft_cache, k, temperature, generator, clock, use_graph)
-    step.start(last, y, active)
-    while active.any():
+    step.start(last, y, torch.tensor(active, device=device))
+    while any(active):
         kept, n_accepted = step()
-        stats.record(n_accepted, active)
-        active = emit(outputs, active, kept, n_accepted, eos, max_new_tokens)
-        step.active.copy_(active)
+        # One copy to the host per step (counts and tokens together): at batch 1 a step is a few
+        # milliseconds, and every further synchronization was a visible share of it.
+        rows = torch.cat([n_accepted[:, None], kept], 1).tolist()
+        stats.record([row[0] for row in rows], active)
+        active = emit(outputs, active, rows, eos, max_new_tokens)
+        step.active.copy_(torch.tensor(active), non_blocking=True)
 
     stats.draft_s, stats.target_s = clock.total["draft"], clock.total["target"]
+    stats.graphed = use_graph
     return SpecOutput(outputs, stats)
 
 
@@ -268,19 +273,16 @@ def prefix_length(ok: torch.Tensor) -> torch.Tensor:
 
 
 def emit(
-    outputs: list[list[int]],
-    active: torch.Tensor,
-    tokens: torch.Tensor,
-    n_accepted: torch.Tensor,
-    eos: set[int],
-    max_new_tokens: int,
-) -> torch.Tensor:
-    """Append each active row's first n_accepted + 1 tokens; returns which rows are still active."""
-    counts, rows, still = (n_accepted + 1).tolist(), tokens.tolist(), active.tolist()  # one copy each
-    for b, live in enumerate(still):
+    outputs: list[list[int]], active: list[bool], rows: list[list[int]], eos: set[int], max_new_tokens: int
+) -> list[bool]:
+    """rows[b] = [n_accepted, kept tokens …]: append each active row's first n_accepted + 1 kept
+    tokens; returns which rows are still active."""
+    still = list(active)
+    for b, live in enumerate(active):
         if live:
-            still[b] = not append_until_done(outputs[b], rows[b][: counts[b]], eos, max_new_tokens)
-    return torch.tensor(still, device=active.device)
+            n, tokens = rows[b][0], rows[b][1:]
+            still[b] = not append_until_done(outputs[b], tokens[: n + 1], eos, max_new_tokens)
+    return still
 
 
 class Clock:

@@ -76,9 +76,9 @@ class PrecomputeConfig:
     three shards in host memory (≈ 6 GiB at hidden size 4096 in bf16)."""
     hidden_dtype: str = "bf16"
     """Stored hidden-state dtype: `bf16`, or `fp8` (e4m3 with a per-token scale)."""
-    compile: bool = False
+    compile: bool = True
     """On CUDA, fuse each layer's elementwise chains with torch.compile (`CausalLM.compile_layers`):
-    faster on a long run, after a compile of tens of seconds."""
+    1.25× at the Llama-3.1-8B shape after a 6 s compile (docs/benchmarks.md). Ignored on CPU."""
 
 
 @dataclass
@@ -146,9 +146,10 @@ class ValidateConfig:
     """0 for greedy; otherwise sampled with rejection sampling."""
     batch_size: int = 16
     """Sequences decoded together."""
-    cuda_graph: bool = False
-    """Greedy speculative steps replayed as one CUDA graph each (on CUDA): faster at small
-    batches; the draft/target time split is then not measured."""
+    cuda_graph: bool = True
+    """Greedy speculative steps replayed as one CUDA graph each (on CUDA; 2.2× faster on MT-bench
+    at batch 80, docs/benchmarks.md); the draft/target time split is then not measured. Ignored on
+    CPU and when sampling."""
     teacher_forced_samples: int = 64
     """Evaluation conversations (the prompts with the target's own greedy answers) on which the
     teacher-forced loss is computed by both code paths."""

@@ -72,7 +72,7 @@ class RankJob:
     shard_tokens: int
     hidden_dtype: str
     model_dtype: str
-    compile: bool = False
+    compile: bool = True
 
     @property
     def complete(self) -> bool:

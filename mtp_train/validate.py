@@ -66,6 +66,7 @@ def merge(total: SpecStats, part: SpecStats) -> None:
     total.emitted += part.emitted
     total.draft_s += part.draft_s
     total.target_s += part.target_s
+    total.graphed |= part.graphed
 
 
 def answer_turns(ev: Evaluator, prompts: list[Prompt], batch_size: int, answer) -> list[list[dict]]:
@@ -127,8 +128,8 @@ def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, see
             "emitted": stats.emitted,
         },
         **timing,
-        "draft_s": stats.draft_s,
-        "target_s": stats.target_s,
+        # the eager loop's split; replayed graphs are not split (their draft_s/target_s would be the prefills')
+        **({"cuda_graph": True} if stats.graphed else {"draft_s": stats.draft_s, "target_s": stats.target_s}),
     }
     return report, dialogs, tokens
 

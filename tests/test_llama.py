@@ -149,3 +149,23 @@ def test_gguf_loader_equals_converted_directory(smollm2, smol):
     a = from_gguf.forward_cached(ids, from_gguf.new_cache(1, 6))
     b = smol.forward_cached(ids, smol.new_cache(1, 6))
     assert torch.equal(a, b)
+
+
+def test_layers_that_cannot_compile_run_eager_and_say_so(monkeypatch):
+    """A toolchain that cannot compile (no compiler, an Inductor error) costs the fusion, not the
+    run: the first call warns and the same states come out of the eager layers."""
+    model = random_llama(LlamaConfig(**TINY, num_hidden_layers=2, num_key_value_heads=2))
+    ids, cu = torch.randint(0, 512, (30,)), cu_seqlens_of([12, 18])
+    eager, _ = model.forward_packed(ids, cu)
+
+    def broken_compile(fn, **options):
+        def fail(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    model.compile_layers()
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        again, _ = model.forward_packed(ids, cu)
+    assert torch.equal(again, eager)
