@@ -10,6 +10,7 @@ varlen batches of the same token budget, states copied to pinned host memory.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -105,7 +106,7 @@ KERNEL_KINDS = (  # (kind, substrings of the CUDA kernel name), first match wins
     ("attention", ("flash", "fmha", "attention")),  # before matmul: its name holds "cutlass"
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas")),
     ("fused elementwise (triton)", ("triton",)),
-    ("copy", ("copy", "memcpy", "memset", "cat")),
+    ("copy", ("copy", "memcpy", "memset", "catarray", "concat")),
 )
 
 
@@ -215,7 +216,7 @@ def main() -> None:
     write_result(
         f"precompute_{args.shape}",
         {
-            "command": f"python -m benchmarks.bench_precompute --shape {args.shape} --tokens {args.tokens}",
+            "command": "python -m benchmarks.bench_precompute " + " ".join(sys.argv[1:]),
             **run,
             "linear_roofline_tokens_per_s": PEAK_BF16 / flops,
             "inference_ref_fraction_of_roofline": run["inference_ref_packed_tokens_per_s"]

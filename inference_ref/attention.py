@@ -74,7 +74,14 @@ def _varlen(q, k, v, cu_seqlens, max_len, **options):
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, TypeError):
+            # GQA's fault only if the same call with repeated K/V works (otherwise that raises)
+            out = _varlen_repeated(q, k, v, cu, max_len, group, **options)
             _gqa_native = False
+            return out
+    return _varlen_repeated(q, k, v, cu, max_len, group, **options)
+
+
+def _varlen_repeated(q, k, v, cu, max_len, group: int, **options):
     if group > 1:  # a copy of K/V per query head: the kernel's most portable signature
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return _VARLEN(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), **options)

@@ -559,6 +559,8 @@ class DecoderLayer(nn.Module):
 class DeepseekV2Model(CausalLM):
     """`DeepseekV2ForCausalLM` with fused input projections and stacked experts."""
 
+    compilable = False  # compiled layers are not measured on the MoE block (data-dependent shapes)
+
     def __init__(self, cfg: DeepseekV2Config):
         layers = [DecoderLayer(cfg, cfg.is_moe(i)) for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, layers, Rotary(cfg), LatentCache)

@@ -32,12 +32,16 @@ from safetensors.torch import load_file
 from torch import nn
 
 from inference_ref import deepseek_v2 as ds
+from inference_ref.config import LlamaConfig
 from inference_ref.deepseek_v2 import LatentCache
 from inference_ref.llama import DecoderLayer, KVCache, RMSNorm, Rotary
 from inference_ref.target import Cache, TargetConfig, TargetModel, config_from_hf
 
 FORMAT, FORMAT_VERSION = "mtp-train-head", 1
-ARCHITECTURES = {"llama": "LlamaMTPHead", "deepseek_v2": "DeepseekV2MTPHead"}  # by target kind
+ARCHITECTURES = {
+    LlamaConfig.model_type: "LlamaMTPHead",
+    ds.DeepseekV2Config.model_type: "DeepseekV2MTPHead",
+}  # by target kind
 VARIANTS = ("rmsnorm-restored", "eagle1")
 MLPS = ("dense", "moe")  # the layer's MLP; a config.json without "mlp" (older heads) is dense
 SHARED = ("embed_tokens.weight", "lm_head.weight")
@@ -73,7 +77,7 @@ class HeadSpec:
                 f"{config.get('variant')!r} is not {expected!r} with a variant in {VARIANTS}"
             )
         mlp = config.get("mlp", "dense")
-        if mlp not in MLPS or (mlp == "moe" and layer.model_type != "deepseek_v2"):
+        if mlp not in MLPS or (mlp == "moe" and layer.model_type != ds.DeepseekV2Config.model_type):
             raise ValueError(
                 f"head config.json: mlp {mlp!r} is not one of {MLPS} (moe only with a deepseek_v2 layer)"
             )
@@ -103,7 +107,7 @@ def fuse_head_state(tensors: dict[str, torch.Tensor], spec: HeadSpec) -> dict[st
     the target does. An MoE head's stacked experts already have the serving names."""
     out = {k: v for k, v in tensors.items() if k not in SHARED}
     layer = spec.layer
-    if layer.model_type == "deepseek_v2":
+    if layer.model_type == ds.DeepseekV2Config.model_type:
         fused, parts = "q_kv_a_proj", ["q_a_proj" if layer.q_lora_rank else "q_proj", "kv_a_proj_with_mqa"]
     else:
         fused, parts = "qkv_proj", ["q_proj", "k_proj", "v_proj"]
@@ -207,7 +211,7 @@ def layer_of_kind(spec: HeadSpec) -> tuple[nn.Module, nn.Module, type]:
     head's MLP is dense (`intermediate_size` wide) or the target's MoE block, as `mtp_train.heads`
     trains it."""
     cfg = spec.layer
-    if cfg.model_type == "deepseek_v2":
+    if cfg.model_type == ds.DeepseekV2Config.model_type:
         return ds.DecoderLayer(cfg, moe=spec.mlp == "moe"), ds.Rotary(cfg), LatentCache
     return DecoderLayer(cfg), Rotary(cfg), KVCache
 

@@ -7,8 +7,10 @@ layer runs two large matmuls where the checkpoint has five. Hidden states are re
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -181,6 +183,9 @@ class CausalLM(nn.Module):
     supplies its layers, its rotary module (called with positions and the activations' dtype)
     and its cache type (whose `layer(i)` gives the arguments of layer i's cached forward)."""
 
+    compilable: ClassVar[bool] = True
+    """Whether `compile_layers` is measured for this kind (precompute compiles only where it is)."""
+
     def __init__(self, cfg, layers: list[nn.Module], rotary: nn.Module, cache_type):
         super().__init__()
         self.cfg, self.cache_type = cfg, cache_type
@@ -191,30 +196,35 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
-        self.packed_layer = packed_layer_forward
+        # plain flags, so that a copied or pickled model carries no compiled function
+        self.compiled_layers, self.compile_proven = False, False
 
     def compile_layers(self) -> None:
         """Run each layer's packed forward through torch.compile (dynamic shapes, one compiled
-        graph shared by all layers of a kind): the elementwise chains between the matmuls
-        (RMSNorm, rotary, SiLU·up, the residual adds) fuse into a few kernels, and attention stays
-        the eager varlen call between the two compiled halves. Worth its compile time (tens of
-        seconds) on a long precompute; the cached (decode) forward is not affected. Where this
-        machine's toolchain cannot compile, the first call says so and the layers run eager."""
-        compiled = torch.compile(packed_layer_forward, dynamic=True)
+        graph shared by all layers): the elementwise chains between the matmuls (RMSNorm, rotary,
+        SiLU·up, the residual adds) fuse into a few kernels, and attention stays the eager varlen
+        call between the two compiled halves. The compile takes seconds (5.9 s at the Llama-3.1-8B
+        shape), worth it on a long precompute; the cached (decode) forward is not affected. Where
+        this machine's toolchain cannot compile, the first call says so and the layers run eager."""
+        self.compiled_layers, self.compile_proven = True, False
 
-        def compiled_or_eager(*args):
-            try:
-                return compiled(*args)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as e:  # noqa: BLE001 (Inductor raises many kinds; eager re-raises a real error)
-                warnings.warn(
-                    f"compiled layers unavailable, running them eager: {type(e).__name__}: {e}", stacklevel=2
-                )
-                self.packed_layer = packed_layer_forward
-                return packed_layer_forward(*args)
-
-        self.packed_layer = compiled_or_eager
+    def packed_layer(self, layer: nn.Module, *args) -> torch.Tensor:
+        if not self.compiled_layers:
+            return packed_layer_forward(layer, *args)
+        if self.compile_proven:  # it compiled and ran once: later errors are real errors
+            return compiled_layer_forward()(layer, *args)
+        try:
+            out = compiled_layer_forward()(layer, *args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 (Inductor raises many kinds; eager re-raises a real error)
+            warnings.warn(
+                f"compiled layers unavailable, running them eager: {type(e).__name__}: {e}", stacklevel=3
+            )
+            self.compiled_layers = False
+            return packed_layer_forward(layer, *args)
+        self.compile_proven = True
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from pre-norm hidden states, in fp32."""
@@ -263,6 +273,13 @@ class LlamaModel(CausalLM):
 def packed_layer_forward(layer: nn.Module, x, cos, sin, cu_seqlens, max_len: int) -> torch.Tensor:
     """One layer's packed forward; the unit `CausalLM.compile_layers` compiles."""
     return layer.forward_packed(x, cos, sin, cu_seqlens, max_len)
+
+
+@functools.cache
+def compiled_layer_forward():
+    """`packed_layer_forward` through torch.compile, made once per process (it compiles on its
+    first call and is shared by every layer and model)."""
+    return torch.compile(packed_layer_forward, dynamic=True)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -119,7 +119,7 @@ def speculative_generate(
         rows = torch.cat([n_accepted[:, None], kept], 1).tolist()
         stats.record([row[0] for row in rows], active)
         active = emit(outputs, active, rows, eos, max_new_tokens)
-        step.active.copy_(torch.tensor(active), non_blocking=True)
+        step.active.copy_(torch.tensor(active))
 
     stats.draft_s, stats.target_s = clock.total["draft"], clock.total["target"]
     stats.graphed = use_graph

@@ -27,7 +27,8 @@ from mtp_train.head_attention import Segments
 
 @dataclass
 class DraftBatch:
-    hidden: torch.Tensor  # [T, H] h_i fed to the head (T = Σ (n_s - 1))
+    # [T] row of target_hidden fed to the head at each draft position (T = Σ (n_s - 1))
+    hidden_rows: torch.Tensor
     token_ids: torch.Tensor  # [steps, T] token fed at each chained step
     positions: torch.Tensor  # [T] i within its sample
     segments: Segments
@@ -36,6 +37,12 @@ class DraftBatch:
     valid: torch.Tensor  # [steps, T] bool: supervised
     tokens: int  # stored tokens in the micro-batch
 
+    @property
+    def hidden(self) -> torch.Tensor:
+        """[T, H] the h_i fed to the head. Gathered where the batch is (on the GPU once moved): the
+        host copies, pins and sends the states once, not a second time without each sample's last."""
+        return self.target_hidden[self.hidden_rows]
+
     def to(self, device, dtype) -> DraftBatch:
         # Copied first, cast on the device: from pinned memory the copy is asynchronous.
         def move(t: torch.Tensor) -> torch.Tensor:
@@ -43,7 +50,7 @@ class DraftBatch:
 
         seg = Segments(move(self.segments.cu_seqlens), self.segments.max_len)
         return DraftBatch(
-            move(self.hidden).to(dtype),
+            move(self.hidden_rows),
             move(self.token_ids),
             move(self.positions),
             seg,
@@ -56,7 +63,7 @@ class DraftBatch:
     def pin_memory(self) -> DraftBatch:
         pinned = {
             name: getattr(self, name).pin_memory()
-            for name in ("hidden", "token_ids", "positions", "target_hidden", "target_index", "valid")
+            for name in ("hidden_rows", "token_ids", "positions", "target_hidden", "target_index", "valid")
         }
         seg = Segments(self.segments.cu_seqlens.pin_memory(), self.segments.max_len)
         return DraftBatch(**pinned, segments=seg, tokens=self.tokens)
@@ -101,7 +108,7 @@ def collate(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], step
     cu = torch.zeros(len(samples) + 1, dtype=torch.long)
     cu[1:] = torch.tensor(draft_lens).cumsum(0)
     return DraftBatch(
-        hidden=torch.cat([h[:-1] for _, _, h in samples]),
+        hidden_rows=torch.cat([torch.arange(int(off), int(off) + n) for off, n in zip(offsets, draft_lens)]),
         token_ids=torch.cat([p[0] for p in parts], 1),
         positions=torch.cat([torch.arange(n) for n in draft_lens]),
         segments=Segments(cu, max(draft_lens)),

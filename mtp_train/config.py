@@ -78,7 +78,8 @@ class PrecomputeConfig:
     """Stored hidden-state dtype: `bf16`, or `fp8` (e4m3 with a per-token scale)."""
     compile: bool = True
     """On CUDA, fuse each layer's elementwise chains with torch.compile (`CausalLM.compile_layers`):
-    1.25× at the Llama-3.1-8B shape after a 6 s compile (docs/benchmarks.md). Ignored on CPU."""
+    1.25× at the Llama-3.1-8B shape after a 5.9 s compile (docs/benchmarks.md). Ignored on CPU and
+    for DeepSeek-V2 targets (not measured there)."""
 
 
 @dataclass

@@ -25,6 +25,7 @@ import hydra
 import torch
 from safetensors.torch import load_file, save_file
 
+from inference_ref.deepseek_v2 import DeepseekV2Config
 from inference_ref.draft import ARCHITECTURES, FORMAT, FORMAT_VERSION, check_head_fits_target
 from inference_ref.target import TargetConfig, frozen_target_tensors, read_target_config
 from mtp_train.config import RunConfig  # noqa: F401  (registers the schema Hydra composes)
@@ -68,7 +69,7 @@ NATIVE_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "lm_head.weight": 
 def native_layer(cfg: HeadConfig) -> tuple[Symbolic, dict[str, int]]:
     """The decoder layer's names (under `layer.`) and shape symbols for a target of this kind,
     with the head's MLP (an MoE head's experts stacked)."""
-    if cfg.target.model_type == "deepseek_v2":
+    if cfg.target.model_type == DeepseekV2Config.model_type:
         hf = cfg.target.to_hf()
         full = deepseek_moe_block(hf) if cfg.mlp == "moe" else deepseek_dense_block(hf)
         block = {n: s for n, s in full.items() if n != "input_layernorm.weight"}

@@ -46,7 +46,7 @@ class HeadConfig:
             raise ValueError(f"model.variant: {self.variant!r} is not one of {VARIANTS}")
         if self.mlp not in MLPS:
             raise ValueError(f"model.head_mlp: {self.mlp!r} is not one of {MLPS}")
-        if self.mlp == "moe" and self.target.model_type != "deepseek_v2":
+        if self.mlp == "moe" and self.target.model_type != ds.DeepseekV2Config.model_type:
             raise ValueError(
                 f"model.head_mlp: 'moe' builds the target's MoE block, but this target is "
                 f"{self.target.model_type}, whose layers have no experts: use 'dense'"
@@ -122,7 +122,7 @@ class LatentHeadAttention(nn.Module):
 
 
 # The head's attention for each target kind.
-ATTENTION = {"llama": HeadAttention, "deepseek_v2": LatentHeadAttention}
+ATTENTION = {LlamaConfig.model_type: HeadAttention, ds.DeepseekV2Config.model_type: LatentHeadAttention}
 
 
 class HeadMLP(nn.Module):

@@ -235,7 +235,7 @@ def precompute_rank(job: RankJob, device) -> None:
     if todo:
         device = torch.device(device)
         model = load_target(job.target_dir, device, model_dtype(job.model_dtype, device))
-        if job.compile and device.type == "cuda":
+        if job.compile and device.type == "cuda" and model.compilable:
             model.compile_layers()
         started = time.perf_counter()
         tokens = write_hidden_states(model, job, todo, writer)

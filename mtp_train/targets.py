@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from inference_ref import deepseek_v2 as ds
+from inference_ref.config import LlamaConfig
 from inference_ref.deepseek_v2 import YarnScaling
 from inference_ref.gguf import convert_gguf
 from inference_ref.loading import hf_state_dict, random_llama
@@ -85,7 +86,7 @@ def check_same_target(expected: dict, found: dict, what: str) -> None:
 
 
 TINY = {
-    "llama": dict(
+    LlamaConfig.model_type: dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -99,7 +100,7 @@ TINY = {
     ),
     # V2-Lite's structure shrunk: full-rank q, a dense layer 0 then MoE, untied lm_head, and YaRN
     # with mscale ≠ mscale_all_dim so both its factors (on cos/sin and on the softmax) are ≠ 1.
-    "deepseek_v2": dict(
+    ds.DeepseekV2Config.model_type: dict(
         hidden_size=64,
         intermediate_size=128,
         moe_intermediate_size=32,
@@ -121,7 +122,7 @@ TINY = {
 
 def random_hf_weights(cfg: TargetConfig, seed: int) -> dict[str, torch.Tensor]:
     """Random weights of `cfg`'s kind under Hugging Face names."""
-    if cfg.model_type == "deepseek_v2":
+    if cfg.model_type == ds.DeepseekV2Config.model_type:
         return ds.hf_state_dict(ds.random_deepseek_v2(cfg, seed=seed))
     return hf_state_dict(random_llama(cfg, seed=seed))
 

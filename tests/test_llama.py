@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from inference_ref import llama
 from inference_ref.config import LlamaConfig, RopeScaling
 from inference_ref.generate import right_pad
 from inference_ref.llama import LlamaModel, cu_seqlens_of
@@ -151,21 +152,52 @@ def test_gguf_loader_equals_converted_directory(smollm2, smol):
     assert torch.equal(a, b)
 
 
-def test_layers_that_cannot_compile_run_eager_and_say_so(monkeypatch):
-    """A toolchain that cannot compile (no compiler, an Inductor error) costs the fusion, not the
-    run: the first call warns and the same states come out of the eager layers."""
+def fake_compile(works_for: int):
+    """A torch.compile stand-in whose function runs eager `works_for` times, then raises."""
+    calls = []
+
+    def compile(fn, **options):
+        def run(*args):
+            calls.append(1)
+            if len(calls) > works_for:
+                raise RuntimeError("no C++ compiler")
+            return fn(*args)
+
+        return run
+
+    return compile
+
+
+@pytest.fixture
+def tiny_compiled(monkeypatch):
+    """A 2-layer model and its eager states; torch.compile replaced by the test (and the
+    process-wide compiled function rebuilt from it, then dropped)."""
     model = random_llama(LlamaConfig(**TINY, num_hidden_layers=2, num_key_value_heads=2))
     ids, cu = torch.randint(0, 512, (30,)), cu_seqlens_of([12, 18])
     eager, _ = model.forward_packed(ids, cu)
+    llama.compiled_layer_forward.cache_clear()
+    yield model, ids, cu, eager
+    llama.compiled_layer_forward.cache_clear()
 
-    def broken_compile(fn, **options):
-        def fail(*args):
-            raise RuntimeError("no C++ compiler")
 
-        return fail
-
-    monkeypatch.setattr(torch, "compile", broken_compile)
+def test_layers_that_cannot_compile_run_eager_and_say_so(tiny_compiled, monkeypatch):
+    """A toolchain that cannot compile (no compiler, an Inductor error) costs the fusion, not the
+    run: the first call warns and the same states come out of the eager layers."""
+    model, ids, cu, eager = tiny_compiled
+    monkeypatch.setattr(torch, "compile", fake_compile(works_for=0))
     model.compile_layers()
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
         again, _ = model.forward_packed(ids, cu)
-    assert torch.equal(again, eager)
+    assert torch.equal(again, eager) and not model.compiled_layers
+
+
+def test_compiled_layers_that_ran_once_raise_their_errors(tiny_compiled, monkeypatch):
+    """Once the compiled layers have run, an error is the run's, not the toolchain's: it is
+    raised, not hidden by a switch to eager halfway through a store."""
+    model, ids, cu, eager = tiny_compiled
+    monkeypatch.setattr(torch, "compile", fake_compile(works_for=3))
+    model.compile_layers()
+    first, _ = model.forward_packed(ids, cu)  # two layers: calls 1 and 2
+    assert torch.equal(first, eager)
+    with pytest.raises(RuntimeError, match="no C"):
+        model.forward_packed(ids, cu)  # call 4 fails
