@@ -73,11 +73,14 @@ Key = TypeVar("Key")
 Item = TypeVar("Item")
 
 
-def prefetched(load: Callable[[Key], Item], keys: Iterable[Key], depth: int = 2) -> Iterator[Item]:
-    """load(key) for each key in order, computed up to `depth` keys ahead on a background thread,
-    so that building the next micro-batch (store reads, collate, pinning) overlaps the GPU step."""
+def prefetched(
+    load: Callable[[Key], Item], keys: Iterable[Key], depth: int = 2, workers: int = 1
+) -> Iterator[Item]:
+    """load(key) for each key in order, computed up to `depth` keys ahead on `workers` background
+    threads, so that building the next micro-batch (store reads, collate, pinning) overlaps the GPU
+    step. Several workers help where one cannot keep up: the copies release the GIL."""
     keys = iter(keys)
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         pending = deque(pool.submit(load, key) for key in islice(keys, depth))
         while pending:
             item = pending.popleft().result()

@@ -88,7 +88,8 @@ def micro_batches(acc: Accelerator, store: Store, tc: TrainConfig, start: int) -
 
     first = start * tc.grad_accum
     keys = (m * acc.num_processes + acc.process_index for m in range(first, tc.steps * tc.grad_accum))
-    return prefetched(load, keys)
+    # two builders: one did not keep up with a 65 ms step on one host (docs/benchmarks.md)
+    return prefetched(load, keys, depth=3, workers=2)
 
 
 def train(cfg: RunConfig) -> Path:
