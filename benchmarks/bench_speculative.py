@@ -11,6 +11,7 @@ identical; in bf16 a verify step and a decode step round differently, and output
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 from transformers import AutoTokenizer
@@ -35,8 +36,8 @@ def target_only_all(target, groups, new: int, eos) -> list[list[int]]:
 
 
 VARIANTS = ("eager", "eager_no_cudnn", "graph")
-"""eager; eager with cuDNN's SDPA backend off (it builds a plan per new attention shape on the
-host); each step one CUDA graph replay."""
+"""eager; eager with cuDNN's SDPA backend off (it plans per attention shape on the host; measured
+on the H200, that was not what made the eager loop slow); each step one CUDA graph replay."""
 
 
 def speculative_all(target, draft, groups, new: int, eos, k: int, variant: str) -> list:
@@ -65,11 +66,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
     prompts = prompt_ids(tokenizer, [q.turns[0] for q in load_prompts([args.prompts], limit=args.num)])
-    command = (
-        f"python -m benchmarks.bench_speculative --target {args.target} --head {args.head} "
-        f"--batch {' '.join(map(str, args.batch))} --k {' '.join(map(str, args.k))} --new {args.new} --num {args.num} "
-        f"--variants {' '.join(args.variants)}"
-    )
+    command = "python -m benchmarks.bench_speculative " + " ".join(sys.argv[1:])
     rows = []
     for batch in args.batch:
         groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]

@@ -136,8 +136,8 @@ def cache_slots(
     if static:
         return slots, cache_mask(lengths, new, max_len)
     # Rounded up to a whole key block: attention backends plan (and cache plans) per exact shape,
-    # and cuDNN's plans are built on the host. A key length that grows by one every step would be
-    # a new plan every step; the extra keys are masked out.
+    # and a key length that grew by one every step would be a new plan every step. (On the H200
+    # this was not what made the eager loop slow: host dispatch was.) The extra keys are masked out.
     key_len = min(-(-(int(slots.max()) + 1) // KEY_BLOCK) * KEY_BLOCK, max_len)
     return slots, cache_mask(lengths, new, key_len)
 

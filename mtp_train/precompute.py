@@ -72,7 +72,7 @@ class RankJob:
     shard_tokens: int
     hidden_dtype: str
     model_dtype: str
-    compile: bool = True
+    compile: bool
 
     @property
     def complete(self) -> bool:

@@ -76,8 +76,8 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float):
 
 
 def micro_batches(acc: Accelerator, store: Store, tc: TrainConfig, start: int) -> Iterator[DraftBatch]:
-    """This process's micro-batches from optimizer step `start` on, built on a background thread
-    (store reads, alignment, pinned host memory) while the GPU runs the current step.
+    """This process's micro-batches from optimizer step `start` on, built on two background
+    threads (store reads, alignment, pinned host memory) while the GPU runs the current step.
     Global micro-batch g = (step · accum + micro) · world + rank."""
     plan = MicroBatchPlan(store.lengths, tc.tokens_per_micro_batch, tc.seed)
     pin = acc.device.type == "cuda"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from inference_ref.config import LlamaConfig
+from inference_ref.llama import Rotary
 from mtp_train.batching import MicroBatchPlan, align_sample, collate
 from mtp_train.head_attention import Segments, head_attention
 from mtp_train.heads import HeadConfig, MTPHead
@@ -179,19 +182,7 @@ def test_micro_batch_plan_is_deterministic_and_covers_every_sample():
 
 def test_rope_frequencies_stay_fp32_when_the_head_is_cast_to_bf16():
     """DeepSpeed's bf16 engine and validation cast the whole head: the angles must not move."""
-    from inference_ref.config import LlamaConfig
-    from inference_ref.llama import Rotary
-
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rope_theta=500000.0,
-    )
+    cfg = dataclasses.replace(CFG, rope_theta=500000.0)
     exact, cast = Rotary(cfg), Rotary(cfg).to(torch.bfloat16)
     assert cast.inv_freq.dtype == torch.float32
     positions = torch.tensor([4000, 30000])

@@ -172,7 +172,7 @@ def fake_compile(works_for: int):
 def tiny_compiled(monkeypatch):
     """A 2-layer model and its eager states; torch.compile replaced by the test (and the
     process-wide compiled function rebuilt from it, then dropped)."""
-    model = random_llama(LlamaConfig(**TINY, num_hidden_layers=2, num_key_value_heads=2))
+    model = random_llama(TINY_CONFIGS["gqa-tied"])
     ids, cu = torch.randint(0, 512, (30,)), cu_seqlens_of([12, 18])
     eager, _ = model.forward_packed(ids, cu)
     llama.compiled_layer_forward.cache_clear()
