@@ -1,5 +1,8 @@
-"""Batched greedy decoding: inference_ref's `generate` (static KV cache, CUDA-graph step) vs
-transformers' `generate`, same weights, same prompts, same number of new tokens, one run.
+"""Batched greedy decoding: inference_ref's `generate` (static KV cache, CUDA-graph step; its layers
+eager, then compiled) vs transformers' `generate`, same weights, same prompts, same number of new
+tokens, one run. Each is warmed up at the measured batch first. Ours also reports where one call's
+time goes: the prefill, building the graphed step (warm-ups and capture), one replayed step, and
+the kernels one step launches when it is not graphed.
 
     python -m benchmarks.bench_decode --shape smollm2_135m --batch 64 512 --new 160
 """
@@ -7,13 +10,18 @@ transformers' `generate`, same weights, same prompts, same number of new tokens,
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 
 import torch
 from transformers import LlamaForCausalLM
 
 from benchmarks.common import DEVICE, DTYPE, hf_copy, shape, timed, write_result
-from inference_ref.generate import generate
+from inference_ref.decode_graph import DecodeStep
+from inference_ref.generate import generate, last_logits, prefill
 from inference_ref.loading import random_llama
+
+VARIANTS = ("graph", "graph_compiled")
 
 
 def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -41,11 +49,70 @@ def run_hf(hf, prompts: list[list[int]], new: int) -> float:
         return timed(go)
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def kernels_per_step(model, cache) -> int:
+    """GPU kernels one decode step launches when it is not graphed (what a graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = DecodeStep(model, cache, graph=False)
+    ids = torch.zeros(cache.lengths.shape[0], 1, dtype=torch.long, device=cache.lengths.device)
+    step(ids)
+    on_gpu = ids.is_cuda
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        step(ids)
+        sync()
+    if not on_gpu:  # a smoke run on CPU: aten ops stand in for kernels
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@torch.inference_mode()
+def phases(model, prompts: list[list[int]], new: int, replays: int = 50) -> dict:
+    """Where one `generate` call's time goes, phase by phase."""
+    sync()
+    t0 = time.perf_counter()
+    cache, hidden = prefill(model, prompts, max(map(len, prompts)) + new)
+    last_logits(model, hidden, cache.lengths).argmax(-1)
+    sync()
+    t1 = time.perf_counter()
+    step = DecodeStep(model, cache)
+    sync()
+    t2 = time.perf_counter()
+    ids = torch.zeros(len(prompts), 1, dtype=torch.long, device=cache.lengths.device)
+    for _ in range(replays):  # the cache lengths do not move: every replay is the same step
+        step(ids).argmax(-1)
+    sync()
+    t3 = time.perf_counter()
+    return {
+        "prefill_ms": (t1 - t0) * 1e3,
+        "build_graphed_step_ms": (t2 - t1) * 1e3,
+        "graphed_step_ms": (t3 - t2) * 1e3 / replays,
+        "kernels_per_step": kernels_per_step(model, cache),
+    }
+
+
+def measure(model, prompts: list[list[int]], new: int) -> dict:
+    batch = len(prompts)
+    warm = timed(lambda: generate(model, prompts, 8, eos_ids=[]))  # compiles, if compiled
+    seconds = timed(lambda: generate(model, prompts, new, eos_ids=[]))
+    return {
+        "warm_up_s": warm,
+        "new_tokens_per_s": batch * new / seconds,
+        "step_ms_incl_host": seconds * 1e3 / new,
+        **phases(model, prompts, new),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="smollm2_135m")
     p.add_argument("--batch", type=int, nargs="+", default=[64, 512])
     p.add_argument("--new", type=int, default=160)
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--no-hf", action="store_true", help="ours only (when HF would take too long)")
     args = p.parse_args()
     cfg = shape(args.shape)
@@ -54,26 +121,26 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         prompts = prompts_for(batch, cfg.vocab_size)
-        generate(model, prompts[:4], 8, eos_ids=[])  # warm-up
-        ours = timed(lambda: generate(model, prompts, args.new, eos_ids=[]))  # noqa: B023
-        row = {
-            "batch": batch,
-            "new_tokens": batch * args.new,
-            "inference_ref_new_tokens_per_s": batch * args.new / ours,
-        }
+        row: dict = {"batch": batch, "new_tokens": batch * args.new}
+        for variant in args.variants:
+            model.compiled_layers = False
+            if variant == "graph_compiled":
+                model.compile_layers()
+            row[variant] = measure(model, prompts, args.new)
+            print(batch, variant, row[variant], flush=True)
         if hf is not None:
-            run_hf(hf, prompts[:4], 8)
+            run_hf(hf, prompts, 8)
             theirs = run_hf(hf, prompts, args.new)
             row["hf_generate_new_tokens_per_s"] = batch * args.new / theirs
-            row["speedup"] = theirs / ours
+            for variant in args.variants:
+                row[variant]["speedup"] = (
+                    row[variant]["new_tokens_per_s"] / row["hf_generate_new_tokens_per_s"]
+                )
         print(row, flush=True)
         rows.append(row)
     write_result(
         f"decode_{args.shape}",
-        {
-            "command": f"python -m benchmarks.bench_decode --shape {args.shape} --batch {' '.join(map(str, args.batch))} --new {args.new}",
-            "rows": rows,
-        },
+        {"command": "python -m benchmarks.bench_decode " + " ".join(sys.argv[1:]), "rows": rows},
     )
 
 

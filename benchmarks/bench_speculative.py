@@ -1,7 +1,7 @@
 """Speculative decoding against target-only decoding in wall-clock, greedy, at small batches:
 a real target, a trained head, MT-bench first turns. Target-only is `generate` (its decode step a
 CUDA graph); speculative is `speculative_generate`, eager (with and without cuDNN's attention)
-and with each step a CUDA graph.
+and with each step a CUDA graph; `--compile` compiles the target's layers for both loops.
 Greedy outputs are compared with target-only ones (`*_same_tokens_as_target`): in fp32 they are
 identical; in bf16 a verify step and a decode step round differently, and outputs part on near-ties.
 
@@ -60,8 +60,9 @@ def main() -> None:
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--compile", action="store_true", help="the target's layers compiled, in both loops")
     args = p.parse_args()
-    target = load_target(args.target, DEVICE, DTYPE)
+    target = load_target(args.target, DEVICE, DTYPE, compile=args.compile)
     draft = load_draft(args.head, target)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
@@ -70,7 +71,8 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-        generate(target, groups[0], 8, eos)  # warm-up
+        # warm-up at full length on two groups: a compiled target compiles its shape variants here
+        target_only_all(target, groups[:2], args.new, eos)
         base, base_s = timed_call(target_only_all, target, groups, args.new, eos)
         new_tokens = sum(map(len, base))
         row = {"batch": batch, "new_tokens": new_tokens, "target_only_tokens_per_s": new_tokens / base_s}
@@ -83,7 +85,13 @@ def main() -> None:
                 # written after every measurement: a run cut short keeps what it measured
                 write_result(
                     "speculative_wallclock",
-                    {"command": command, "prompts": len(prompts), "dtype": str(DTYPE), "rows": rows},
+                    {
+                        "command": command,
+                        "prompts": len(prompts),
+                        "dtype": str(DTYPE),
+                        "target_compiled": target.compiled_layers,
+                        "rows": rows,
+                    },
                 )
 
 

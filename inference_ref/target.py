@@ -63,12 +63,18 @@ def read_target_config(path: str | Path) -> TargetConfig:
     return config_from_hf(json.loads((Path(path) / "config.json").read_text()))
 
 
-def load_target(path: str | Path, device="cpu", dtype=torch.float32) -> TargetModel:
-    """Load a target from a Hugging Face directory (any kind) or a Llama `.gguf` file."""
+def load_target(path: str | Path, device="cpu", dtype=torch.float32, compile: bool = False) -> TargetModel:
+    """Load a target from a Hugging Face directory (any kind) or a Llama `.gguf` file. `compile`
+    fuses its layers (`CausalLM.compile_layers`) where that is measured: on CUDA, for a kind that
+    is `compilable`; elsewhere it is ignored."""
     path = Path(path)
     if path.suffix == ".gguf":
-        return load_llama(path, device, dtype)
-    return KINDS[read_target_config(path).model_type].load(path, device, dtype)
+        model = load_llama(path, device, dtype)
+    else:
+        model = KINDS[read_target_config(path).model_type].load(path, device, dtype)
+    if compile and torch.device(device).type == "cuda" and model.compilable:
+        model.compile_layers()
+    return model
 
 
 def frozen_target_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:

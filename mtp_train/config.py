@@ -63,6 +63,12 @@ class RegenerateConfig:
     """Regenerate at most this many records."""
     seed: int = 0
     """Sampling seed."""
+    compile: bool = False
+    """On CUDA, fuse the target's layers with torch.compile (`CausalLM.compile_layers`): the graphed
+    decode step replays a third of the kernels and takes 0.38–0.67× the time, after about 10 s of
+    compiling five shape variants (docs/benchmarks.md). Off by default: a regeneration of 0.8M new
+    tokens ran slower with it; turn it on for runs of several million. Ignored on CPU and for
+    DeepSeek-V2 targets."""
 
 
 @dataclass
@@ -151,6 +157,10 @@ class ValidateConfig:
     """Greedy speculative steps replayed as one CUDA graph each (on CUDA; 2.2× faster on MT-bench
     at batch 80, docs/benchmarks.md); the draft/target time split is then not measured. Ignored on
     CPU and when sampling."""
+    compile: bool = False
+    """On CUDA, fuse the target's layers with torch.compile, as `regenerate.compile` does (fp32
+    greedy outputs stay identical, tested on the GPU). Off by default: a validation of a few
+    seconds would spend longer compiling."""
     teacher_forced_samples: int = 64
     """Evaluation conversations (the prompts with the target's own greedy answers) on which the
     teacher-forced loss is computed by both code paths."""

@@ -234,9 +234,7 @@ def precompute_rank(job: RankJob, device) -> None:
         print(f"precompute rank {job.rank}: resuming, {len(done)} samples stored, {len(todo)} to go")
     if todo:
         device = torch.device(device)
-        model = load_target(job.target_dir, device, model_dtype(job.model_dtype, device))
-        if job.compile and device.type == "cuda" and model.compilable:
-            model.compile_layers()
+        model = load_target(job.target_dir, device, model_dtype(job.model_dtype, device), job.compile)
         started = time.perf_counter()
         tokens = write_hidden_states(model, job, todo, writer)
         seconds = time.perf_counter() - started

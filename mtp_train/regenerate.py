@@ -117,7 +117,7 @@ def regenerate(rcfg: RegenerateConfig, target_dir: str | Path, device="cpu", dty
     todo = pending(prompts, written_ids(out), tokenizer, rcfg.max_prompt_tokens, counts)
     # Sampled answers are reproducible for one uninterrupted run; a resumed run draws anew.
     generator = torch.Generator(device=device).manual_seed(rcfg.seed)
-    answerer = Answerer(load_target(target_dir, device, dtype), tokenizer, rcfg, generator)
+    answerer = Answerer(load_target(target_dir, device, dtype, rcfg.compile), tokenizer, rcfg, generator)
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with out.open("a", encoding="utf-8") as f, tqdm(total=len(todo), unit="conv", desc="regenerate") as bar:

@@ -45,11 +45,11 @@ class Evaluator:
     eos: list[int]
 
     @classmethod
-    def load(cls, target_dir: Path, head_dir: Path, device, dtype) -> Evaluator:
+    def load(cls, target_dir: Path, head_dir: Path, device, dtype, compile: bool = False) -> Evaluator:
         config = json.loads((Path(head_dir) / "config.json").read_text())
         check_head_fits_target(config, read_target_config(target_dir))  # before loading the target
         check_same_target(target_identity(target_dir), config["target"], f"head {head_dir}")
-        target = load_target(target_dir, device, dtype)
+        target = load_target(target_dir, device, dtype, compile)
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
         return cls(target, load_draft(head_dir, target), tokenizer, eos)
@@ -203,7 +203,7 @@ def run_validation(cfg: RunConfig) -> dict:
     device = default_device()
     dtype = model_dtype(vc.dtype, device)
     target_dir = resolve_target(cfg.model.target)
-    ev = Evaluator.load(target_dir, Path(vc.head), device, dtype)
+    ev = Evaluator.load(target_dir, Path(vc.head), device, dtype, vc.compile)
     prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)
     baseline, base_dialogs, base_tokens = target_only_pass(ev, prompts, vc)
     report = {
@@ -271,7 +271,7 @@ class DuringTraining:
     def _load(self, head_dir: Path) -> None:
         vc = self.cfg.validate
         if self.ev is None:
-            self.ev = Evaluator.load(self.target_dir, head_dir, self.device, self.dtype)
+            self.ev = Evaluator.load(self.target_dir, head_dir, self.device, self.dtype, vc.compile)
             _, dialogs, _ = target_only_pass(self.ev, self.prompts, vc)
             self.samples = samples_of(self.ev, dialogs, self.tf_limit, self.cfg.data.max_seq_len)
         else:

@@ -64,6 +64,22 @@ def test_compiled_layers_match_eager_on_new_shapes():
         assert rel < 1e-2, rel
 
 
+def test_compiled_decoding_matches_eager():
+    """Compiled layers in the cached forward: the graphed decode step replays fused kernels that
+    give the eager layers' tokens in fp32, for one and many rows (the speculative step:
+    test_speculative's `test_cuda_loop`)."""
+    from inference_ref.generate import generate
+
+    torch.manual_seed(0)
+    model = random_llama(CFG, device="cuda", dtype=torch.float32)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,)).tolist() for n in (5, 40, 17, 1, 90)]
+    eager = generate(model, prompts, 24, eos_ids=[])
+    model.compile_layers()
+    assert generate(model, prompts, 24, eos_ids=[]) == eager
+    assert generate(model, prompts[:1], 24, eos_ids=[]) == eager[:1]
+    assert model.compile_proven == {"cached"}
+
+
 def test_training_step_on_gpu():
     g = torch.Generator().manual_seed(0)
     frozen = {

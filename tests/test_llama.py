@@ -11,7 +11,7 @@ import transformers
 
 from inference_ref import llama
 from inference_ref.config import LlamaConfig, RopeScaling
-from inference_ref.generate import right_pad
+from inference_ref.generate import generate, right_pad
 from inference_ref.llama import LlamaModel, cu_seqlens_of
 from inference_ref.loading import hf_state_dict, load_llama, random_llama
 from mtp_train.demo_target import smollm2_gguf
@@ -201,3 +201,41 @@ def test_compiled_layers_that_ran_once_raise_their_errors(tiny_compiled, monkeyp
     assert torch.equal(first, eager)
     with pytest.raises(RuntimeError, match="no C"):
         model.forward_packed(ids, cu)  # call 4 fails
+
+
+def test_decoding_runs_the_compiled_cached_forward(monkeypatch):
+    """With compiled layers the cached forward (prefill and every decode step) goes through the
+    compiled function, and a compile failure there falls back to eager even after the packed
+    forward has compiled and run."""
+    model = random_llama(TINY_CONFIGS["gqa-tied"])
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    eager = generate(model, prompts, 6, eos_ids=[])
+    calls = []
+
+    def counting_compile(fn, **options):
+        def run(*args):
+            calls.append(fn.__name__)
+            return fn(*args)
+
+        return run
+
+    llama.compiled_layer_forward.cache_clear()
+    llama.compiled_cached_layer_forward.cache_clear()
+    try:
+        monkeypatch.setattr(torch, "compile", counting_compile)
+        model.compile_layers()
+        assert generate(model, prompts, 6, eos_ids=[]) == eager
+        assert calls == ["cached_layer_forward"] * 2 * 6  # 2 layers × (prefill + 5 steps)
+        model.forward_packed(torch.randint(0, 512, (10,)), cu_seqlens_of([4, 6]))
+        assert model.compile_proven == {"packed", "cached"}
+
+        model.compile_layers()
+        model.forward_packed(torch.randint(0, 512, (10,)), cu_seqlens_of([4, 6]))  # proven
+        llama.compiled_cached_layer_forward.cache_clear()
+        monkeypatch.setattr(torch, "compile", fake_compile(works_for=0))
+        with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+            assert generate(model, prompts, 6, eos_ids=[]) == eager
+        assert not model.compiled_layers
+    finally:
+        llama.compiled_layer_forward.cache_clear()
+        llama.compiled_cached_layer_forward.cache_clear()

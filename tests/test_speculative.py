@@ -444,3 +444,7 @@ def test_cuda_loop(dtype, tmp_path):
         return speculative_generate(target, draft, prompts, 20, [], 3, 1.0, g).tokens
 
     assert sampled(0) == sampled(0)
+    if dtype == torch.float32:  # the target's layers compiled: fused kernels, the same tokens
+        target.compile_layers()
+        fused = speculative_generate(target, draft, prompts, 40, [5], 3, graph=True)
+        assert fused.tokens == out.tokens and target.compile_proven == {"cached"}
