@@ -77,11 +77,20 @@ class HeadSpec:
                 f"{config.get('variant')!r} is not {expected!r} with a variant in {VARIANTS}"
             )
         mlp = config.get("mlp", "dense")
-        if mlp not in MLPS or (mlp == "moe" and layer.model_type != ds.DeepseekV2Config.model_type):
-            raise ValueError(
-                f"head config.json: mlp {mlp!r} is not one of {MLPS} (moe only with a deepseek_v2 layer)"
-            )
+        check_mlp(mlp, layer.model_type, "head config.json: mlp")
         return cls(config["variant"], layer, mlp)
+
+
+def check_mlp(mlp: str, kind: str, field: str) -> None:
+    """The head layer's MLP option, checked alike where a head is trained (`model.head_mlp`) and
+    where it is served (config.json's `mlp`): `moe` needs a target kind whose layers have experts."""
+    if mlp not in MLPS:
+        raise ValueError(f"{field}: {mlp!r} is not one of {MLPS}")
+    if mlp == "moe" and kind != ds.DeepseekV2Config.model_type:
+        raise ValueError(
+            f"{field}: 'moe' builds the target's MoE block, but this target is {kind}, "
+            "whose layers have no experts: use 'dense'"
+        )
 
 
 def check_head_fits_target(config: dict, target: TargetConfig, where: str = "head") -> None:

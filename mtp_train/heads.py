@@ -26,7 +26,7 @@ from torch import nn
 
 from inference_ref import deepseek_v2 as ds
 from inference_ref.config import LlamaConfig
-from inference_ref.draft import MLPS, VARIANTS
+from inference_ref.draft import VARIANTS, check_mlp
 from inference_ref.llama import RMSNorm, Rotary, apply_rotary, rms_norm
 from inference_ref.target import TargetConfig
 from mtp_train.head_attention import Segments, head_attention
@@ -44,13 +44,7 @@ class HeadConfig:
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"model.variant: {self.variant!r} is not one of {VARIANTS}")
-        if self.mlp not in MLPS:
-            raise ValueError(f"model.head_mlp: {self.mlp!r} is not one of {MLPS}")
-        if self.mlp == "moe" and self.target.model_type != ds.DeepseekV2Config.model_type:
-            raise ValueError(
-                f"model.head_mlp: 'moe' builds the target's MoE block, but this target is "
-                f"{self.target.model_type}, whose layers have no experts: use 'dense'"
-            )
+        check_mlp(self.mlp, self.target.model_type, "model.head_mlp")
 
     @property
     def restored(self) -> bool:

@@ -106,7 +106,7 @@ def timed_pass(ev: Evaluator, prompts, vc, generate_ids) -> tuple[dict, list, li
 
 
 def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, seed: int):
-    """Speculative decoding over every turn: rates and the counts behind them, timing."""
+    """Speculative decoding over every turn: its counts and times, the dialogs and answer tokens."""
     stats = SpecStats(k)
     generator = torch.Generator(device=ev.target.embed_tokens.weight.device).manual_seed(seed)
 
@@ -118,7 +118,12 @@ def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, see
         return out.tokens
 
     timing, dialogs, tokens = timed_pass(ev, prompts, vc, generate_ids)
-    report = {
+    return stats, timing, dialogs, tokens
+
+
+def speculative_report(stats: SpecStats, timing: dict) -> dict:
+    """Rates and the counts behind them, timing."""
+    return {
         "accept_rate": stats.accept_rate,
         "mean_accepted_len": stats.mean_accepted_len,
         "counts": {
@@ -131,7 +136,6 @@ def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, see
         # the eager loop's split; replayed graphs are not split (their draft_s/target_s would be the prefills')
         **({"cuda_graph": True} if stats.graphed else {"draft_s": stats.draft_s, "target_s": stats.target_s}),
     }
-    return report, dialogs, tokens
 
 
 def target_only_pass(ev: Evaluator, prompts, vc):
@@ -221,7 +225,8 @@ def run_validation(cfg: RunConfig) -> dict:
         name = "greedy" if temperature == 0 else f"T={temperature:g}"
         runs = report["speculative"][name] = {}
         for k in vc.chain_lengths:
-            run, _, tokens = speculative_pass(ev, prompts, k, temperature, vc, vc.seed)
+            stats, timing, _, tokens = speculative_pass(ev, prompts, k, temperature, vc, vc.seed)
+            run = speculative_report(stats, timing)
             if temperature == 0:
                 run["identical_to_target_greedy"] = tokens == base_tokens
                 # in bf16 near-ties can part the texts (see validate.dtype): the share that did not
@@ -285,8 +290,8 @@ class DuringTraining:
 
     def _speculative_sums(self, k: int) -> ChainSums:
         vc = self.cfg.validate
-        counts = speculative_pass(self.ev, self.prompts, k, 0.0, vc, vc.seed)[0]["counts"]
-        return ChainSums(counts["steps"], counts["emitted"], list(counts["tried"]), list(counts["accepted"]))
+        stats = speculative_pass(self.ev, self.prompts, k, 0.0, vc, vc.seed)[0]
+        return ChainSums(stats.steps, stats.emitted, list(stats.tried), list(stats.accepted))
 
 
 @dataclass

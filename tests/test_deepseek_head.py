@@ -348,7 +348,7 @@ def test_moe_option_refused_on_llama_and_unknown_values(tiny_target):
     with pytest.raises(ValueError, match="head_mlp: 'sparse' is not one of"):
         HeadConfig("rmsnorm-restored", CONFIGS["lite"], "sparse")
     layer = {"format": ex.FORMAT, "format_version": ex.FORMAT_VERSION, "variant": "rmsnorm-restored"}
-    with pytest.raises(ValueError, match="mlp 'moe' is not one of"):
+    with pytest.raises(ValueError, match="config.json: mlp: 'moe' .* this target is llama"):
         HeadSpec.from_config(
             {**layer, "architecture": "LlamaMTPHead", "layer_config": llama.to_hf(), "mlp": "moe"}
         )
