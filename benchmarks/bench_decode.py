@@ -55,7 +55,8 @@ def sync() -> None:
 
 
 def kernels_per_step(model, cache) -> int:
-    """GPU kernels one decode step launches when it is not graphed (what a graph replays)."""
+    """GPU kernels one decode step launches when it is not graphed: what the graph replays, but for
+    the un-graphed step's mask, which ends at the longest row instead of the cache's end."""
     from torch.profiler import ProfilerActivity, profile
 
     step = DecodeStep(model, cache, graph=False)
@@ -127,6 +128,7 @@ def main() -> None:
             if variant == "graph_compiled":
                 model.compile_layers()
             row[variant] = measure(model, prompts, args.new)
+            row[variant]["compiled"] = model.runs_compiled("cached")  # false also after a fallback
             print(batch, variant, row[variant], flush=True)
         if hf is not None:
             run_hf(hf, prompts, 8)

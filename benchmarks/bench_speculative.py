@@ -89,7 +89,7 @@ def main() -> None:
                         "command": command,
                         "prompts": len(prompts),
                         "dtype": str(DTYPE),
-                        "target_compiled": target.compiled_layers,
+                        "target_compiled": target.runs_compiled("cached"),
                         "rows": rows,
                     },
                 )

@@ -184,7 +184,7 @@ class CausalLM(nn.Module):
     and its cache type (whose `layer(i)` gives the arguments of layer i's cached forward)."""
 
     compilable: ClassVar[bool] = True
-    """Whether `compile_layers` is measured for this kind (precompute compiles only where it is)."""
+    """Whether `compile_layers` is measured for this kind (`load_target` compiles only where it is)."""
 
     def __init__(self, cfg, layers: list[nn.Module], rotary: nn.Module, cache_type):
         super().__init__()
@@ -196,9 +196,12 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
-        # plain flags, so that a copied or pickled model carries no compiled function; which
-        # forwards ("packed", "cached") have compiled and run once
-        self.compiled_layers, self.compile_proven = False, set()
+        # Plain, immutable flags, so that a copied or pickled model carries no compiled function
+        # and shares no state: whether compiling was asked for, and which forwards ("packed",
+        # "cached") have compiled and run once, or failed to compile.
+        self.compiled_layers = False
+        self.compile_proven: frozenset[str] = frozenset()
+        self.compile_failed: frozenset[str] = frozenset()
 
     def compile_layers(self) -> None:
         """Run each layer's forwards through torch.compile (dynamic shapes, one compiled graph per
@@ -206,10 +209,16 @@ class CausalLM(nn.Module):
         SiLU·up, the residual adds) fuse into a few kernels. In the packed forward (precompute)
         attention stays the eager varlen call between two compiled halves; the cached forward
         (decode, verify) is compiled whole, so that a graphed decode step replays a third of the
-        kernels (386 instead of 1,256 at the SmolLM2 shape). Each compile takes seconds (5.9 s for the packed one at the Llama-3.1-8B shape),
-        worth it on a long precompute or decode. Where this machine's toolchain cannot compile,
-        the first call says so and the layers run eager."""
-        self.compiled_layers, self.compile_proven = True, set()
+        kernels (386 instead of 1,256 at the SmolLM2 shape). Each compile takes seconds (5.9 s for
+        the packed one at the Llama-3.1-8B shape; the cached one specializes up to about five shape
+        variants, 8–17 s in all at SmolLM2), worth it on a long precompute or decode. A forward that
+        cannot compile here says so on its first call and runs eager."""
+        self.compiled_layers = True
+        self.compile_proven, self.compile_failed = frozenset(), frozenset()
+
+    def runs_compiled(self, forward: str) -> bool:
+        """Whether `forward` ("packed" or "cached") goes through its compiled function."""
+        return self.compiled_layers and forward not in self.compile_failed
 
     def packed_layer(self, layer: nn.Module, *args) -> torch.Tensor:
         return self._layer_call("packed", packed_layer_forward, compiled_layer_forward, layer, *args)
@@ -218,7 +227,7 @@ class CausalLM(nn.Module):
         return self._layer_call("cached", cached_layer_forward, compiled_cached_layer_forward, layer, *args)
 
     def _layer_call(self, forward: str, plain, compiled, layer: nn.Module, *args) -> torch.Tensor:
-        if not self.compiled_layers:
+        if not self.runs_compiled(forward):
             return plain(layer, *args)
         if forward in self.compile_proven:  # it compiled and ran once: later errors are real errors
             return compiled()(layer, *args)
@@ -227,12 +236,16 @@ class CausalLM(nn.Module):
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 (Inductor raises many kinds; eager re-raises a real error)
+            # stacklevel 5: past this method, packed_layer/cached_layer, forward_*, inference_mode
             warnings.warn(
-                f"compiled layers unavailable, running them eager: {type(e).__name__}: {e}", stacklevel=3
+                f"compiled {forward} layers unavailable, running them eager: {type(e).__name__}: {e}",
+                stacklevel=5,
             )
-            self.compiled_layers = False  # the toolchain's failure: no forward tries again
+            # This forward only: the other may have compiled already (the cached forward has ops
+            # the packed one has not, e.g. the masked attention over the cache).
+            self.compile_failed |= {forward}
             return plain(layer, *args)
-        self.compile_proven.add(forward)
+        self.compile_proven |= {forward}
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

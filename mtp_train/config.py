@@ -65,9 +65,9 @@ class RegenerateConfig:
     """Sampling seed."""
     compile: bool = False
     """On CUDA, fuse the target's layers with torch.compile (`CausalLM.compile_layers`): the graphed
-    decode step replays a third of the kernels and takes 0.38–0.67× the time, after about 10 s of
-    compiling five shape variants (docs/benchmarks.md). Off by default: a regeneration of 0.8M new
-    tokens ran slower with it; turn it on for runs of several million. Ignored on CPU and for
+    decode step replays a third of the kernels and takes 0.38–0.67× the time, after 8–17 s of
+    compiling up to five shape variants (docs/benchmarks.md). Off by default: a regeneration of 0.8M
+    new tokens ran slower with it; by extrapolation it pays from about 3M. Ignored on CPU and for
     DeepSeek-V2 targets."""
 
 

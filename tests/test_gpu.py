@@ -77,7 +77,7 @@ def test_compiled_decoding_matches_eager():
     model.compile_layers()
     assert generate(model, prompts, 24, eos_ids=[]) == eager
     assert generate(model, prompts[:1], 24, eos_ids=[]) == eager[:1]
-    assert model.compile_proven == {"cached"}
+    assert model.compile_proven == {"cached"} and model.runs_compiled("cached")
 
 
 def test_training_step_on_gpu():

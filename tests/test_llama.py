@@ -188,7 +188,7 @@ def test_layers_that_cannot_compile_run_eager_and_say_so(tiny_compiled, monkeypa
     model.compile_layers()
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
         again, _ = model.forward_packed(ids, cu)
-    assert torch.equal(again, eager) and not model.compiled_layers
+    assert torch.equal(again, eager) and not model.runs_compiled("packed")
 
 
 def test_compiled_layers_that_ran_once_raise_their_errors(tiny_compiled, monkeypatch):
@@ -205,8 +205,8 @@ def test_compiled_layers_that_ran_once_raise_their_errors(tiny_compiled, monkeyp
 
 def test_decoding_runs_the_compiled_cached_forward(monkeypatch):
     """With compiled layers the cached forward (prefill and every decode step) goes through the
-    compiled function, and a compile failure there falls back to eager even after the packed
-    forward has compiled and run."""
+    compiled function. A compile failure there sends the cached forward to eager even after the
+    packed forward has compiled and run, and leaves the packed forward compiled."""
     model = random_llama(TINY_CONFIGS["gqa-tied"])
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     eager = generate(model, prompts, 6, eos_ids=[])
@@ -233,9 +233,10 @@ def test_decoding_runs_the_compiled_cached_forward(monkeypatch):
         model.forward_packed(torch.randint(0, 512, (10,)), cu_seqlens_of([4, 6]))  # proven
         llama.compiled_cached_layer_forward.cache_clear()
         monkeypatch.setattr(torch, "compile", fake_compile(works_for=0))
-        with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        with pytest.warns(UserWarning, match="compiled cached layers .* no C\\+\\+ compiler") as caught:
             assert generate(model, prompts, 6, eos_ids=[]) == eager
-        assert not model.compiled_layers
+        assert caught[0].filename.endswith("generate.py")  # it names the forward's caller
+        assert not model.runs_compiled("cached") and model.runs_compiled("packed")
     finally:
         llama.compiled_layer_forward.cache_clear()
         llama.compiled_cached_layer_forward.cache_clear()

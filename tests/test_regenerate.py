@@ -149,3 +149,23 @@ def test_command_line(tiny_target, prompts_file, tmp_path):
     ]
     subprocess.run([sys.executable, "-m", "mtp_train.regenerate", *args], check=True, capture_output=True)
     assert len(read(out)) == 5
+
+
+def test_compile_option_reaches_the_target_and_is_ignored_on_cpu(
+    tiny_target, prompts_file, tmp_path, monkeypatch
+):
+    """`regenerate.compile` is passed to `load_target`, which compiles the layers only on CUDA: on
+    this CPU the target runs eager whatever is asked."""
+    asked = []
+    load = regen.load_target
+
+    def recording_load(path, device, dtype, compile=False):
+        asked.append(compile)
+        model = load(path, device, dtype, compile)
+        assert not model.compiled_layers
+        return model
+
+    monkeypatch.setattr(regen, "load_target", recording_load)
+    regenerate(config(prompts_file, tmp_path, limit=1, compile=True), tiny_target)
+    regenerate(config(prompts_file, tmp_path / "off", limit=1), tiny_target)
+    assert asked == [True, False]
