@@ -221,18 +221,18 @@ class CausalLM(nn.Module):
         return self.compiled_layers and forward not in self.compile_failed
 
     def packed_layer(self, layer: nn.Module, *args) -> torch.Tensor:
-        return self._layer_call("packed", packed_layer_forward, compiled_layer_forward, layer, *args)
+        return self._layer_call("packed", packed_layer_forward, layer, *args)
 
     def cached_layer(self, layer: nn.Module, *args) -> torch.Tensor:
-        return self._layer_call("cached", cached_layer_forward, compiled_cached_layer_forward, layer, *args)
+        return self._layer_call("cached", cached_layer_forward, layer, *args)
 
-    def _layer_call(self, forward: str, plain, compiled, layer: nn.Module, *args) -> torch.Tensor:
+    def _layer_call(self, forward: str, plain, layer: nn.Module, *args) -> torch.Tensor:
         if not self.runs_compiled(forward):
             return plain(layer, *args)
         if forward in self.compile_proven:  # it compiled and ran once: later errors are real errors
-            return compiled()(layer, *args)
+            return compiled(plain)(layer, *args)
         try:
-            out = compiled()(layer, *args)
+            out = compiled(plain)(layer, *args)
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 (Inductor raises many kinds; eager re-raises a real error)
@@ -299,22 +299,16 @@ def packed_layer_forward(layer: nn.Module, x, cos, sin, cu_seqlens, max_len: int
 
 def cached_layer_forward(layer: nn.Module, *args) -> torch.Tensor:
     """One layer's cached forward (it writes its new cache entries into the slices it is given);
-    the unit `CausalLM.compile_layers` compiles for decoding."""
+    the unit `CausalLM.compile_layers` compiles for decoding. Compiled, the cache writes become
+    in-place scatters, so a captured decode step still writes the caller's cache."""
     return layer.forward_cached(*args)
 
 
 @functools.cache
-def compiled_cached_layer_forward():
-    """`cached_layer_forward` through torch.compile, made once per process. Inductor turns the
-    cache writes into in-place scatters, so a captured decode step still writes the caller's cache."""
-    return torch.compile(cached_layer_forward, dynamic=True)
-
-
-@functools.cache
-def compiled_layer_forward():
-    """`packed_layer_forward` through torch.compile, made once per process (it compiles on its
-    first call and is shared by every layer and model)."""
-    return torch.compile(packed_layer_forward, dynamic=True)
+def compiled(forward):
+    """`forward` (`packed_layer_forward` or `cached_layer_forward`) through torch.compile, made once
+    per process: it compiles on its first call and is shared by every layer and model."""
+    return torch.compile(forward, dynamic=True)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

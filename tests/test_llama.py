@@ -175,9 +175,9 @@ def tiny_compiled(monkeypatch):
     model = random_llama(TINY_CONFIGS["gqa-tied"])
     ids, cu = torch.randint(0, 512, (30,)), cu_seqlens_of([12, 18])
     eager, _ = model.forward_packed(ids, cu)
-    llama.compiled_layer_forward.cache_clear()
+    llama.compiled.cache_clear()
     yield model, ids, cu, eager
-    llama.compiled_layer_forward.cache_clear()
+    llama.compiled.cache_clear()
 
 
 def test_layers_that_cannot_compile_run_eager_and_say_so(tiny_compiled, monkeypatch):
@@ -219,8 +219,7 @@ def test_decoding_runs_the_compiled_cached_forward(monkeypatch):
 
         return run
 
-    llama.compiled_layer_forward.cache_clear()
-    llama.compiled_cached_layer_forward.cache_clear()
+    llama.compiled.cache_clear()
     try:
         monkeypatch.setattr(torch, "compile", counting_compile)
         model.compile_layers()
@@ -231,12 +230,11 @@ def test_decoding_runs_the_compiled_cached_forward(monkeypatch):
 
         model.compile_layers()
         model.forward_packed(torch.randint(0, 512, (10,)), cu_seqlens_of([4, 6]))  # proven
-        llama.compiled_cached_layer_forward.cache_clear()
+        llama.compiled.cache_clear()  # rebuilt from the failing compile below
         monkeypatch.setattr(torch, "compile", fake_compile(works_for=0))
         with pytest.warns(UserWarning, match="compiled cached layers .* no C\\+\\+ compiler") as caught:
             assert generate(model, prompts, 6, eos_ids=[]) == eager
         assert caught[0].filename.endswith("generate.py")  # it names the forward's caller
         assert not model.runs_compiled("cached") and model.runs_compiled("packed")
     finally:
-        llama.compiled_layer_forward.cache_clear()
-        llama.compiled_cached_layer_forward.cache_clear()
+        llama.compiled.cache_clear()
