@@ -288,10 +288,9 @@ class DuringTraining:
         tf = teacher_forced(self.ev, head, self.samples, store_dtype, self.cfg.train.loss_chunk_logits)
         return PathSums.of(tf["trainer"]), PathSums.of(tf["inference"])
 
-    def _speculative_sums(self, k: int) -> ChainSums:
+    def _speculative_sums(self, k: int) -> SpecStats:
         vc = self.cfg.validate
-        stats = speculative_pass(self.ev, self.prompts, k, 0.0, vc, vc.seed)[0]
-        return ChainSums(stats.steps, stats.emitted, list(stats.tried), list(stats.accepted))
+        return speculative_pass(self.ev, self.prompts, k, 0.0, vc, vc.seed)[0]
 
 
 @dataclass
@@ -309,29 +308,20 @@ class PathSums:
 
 
 @dataclass
-class ChainSums:
-    """Greedy speculative decoding with k drafts: verify steps, tokens emitted, and per draft
-    position the drafts tried and accepted."""
-
-    steps: float
-    emitted: float
-    tried: list[float]
-    accepted: list[float]
-
-
-@dataclass
 class ValidationSums:
     """One process's validation sums. Processes add theirs elementwise (`flat` / `from_flat`),
     then `figures` turns the totals into rates."""
 
     trainer: PathSums
     inference: PathSums
-    chains: dict[int, ChainSums]
+    chains: dict[int, SpecStats]
+    """Greedy speculative decoding with k drafts: its counts (verify steps, tokens emitted, drafts
+    tried and accepted per position) are what is added."""
 
     @classmethod
     def empty(cls, chains: list[int]) -> ValidationSums:
         """Zeros of the full shape: a process without prompts still takes part in the reduce."""
-        return cls(PathSums(), PathSums(), {k: ChainSums(0.0, 0.0, [0.0] * k, [0.0] * k) for k in chains})
+        return cls(PathSums(), PathSums(), {k: SpecStats(k) for k in chains})
 
     def flat(self) -> list[float]:
         values = [*astuple(self.trainer), *astuple(self.inference)]
@@ -348,7 +338,10 @@ class ValidationSums:
 
         per_path = len(fields(PathSums))
         trainer, inference = PathSums(*take(per_path)), PathSums(*take(per_path))
-        chains = {k: ChainSums(*take(2), take(k), take(k)) for k in self.chains}
+        chains = {k: SpecStats(k) for k in self.chains}
+        for k, c in chains.items():
+            c.steps, c.emitted = take(2)
+            c.tried, c.accepted = take(k), take(k)
         return ValidationSums(trainer, inference, chains)
 
     def figures(self) -> dict[str, float]:
@@ -365,9 +358,9 @@ class ValidationSums:
             "val/parity_gap": abs(rate(t.ce, t.positions) - rate(i.ce, i.positions)),
         }
         for k, c in self.chains.items():
-            out[f"val/tau_k{k}"] = rate(c.emitted, c.steps)
-            for j in range(k):
-                out[f"val/accept_k{k}_pos{j + 1}"] = rate(c.accepted[j], c.tried[j])
+            out[f"val/tau_k{k}"] = c.mean_accepted_len
+            for j, accepted in enumerate(c.accept_rate):
+                out[f"val/accept_k{k}_pos{j + 1}"] = accepted
         return out
 
 
