@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import LlamaForCausalLM
 
-from benchmarks.common import DEVICE, DTYPE, hf_copy, shape, timed, write_result
+from benchmarks.common import DEVICE, DTYPE, hf_copy, shape, sync, timed, write_result
 from inference_ref.decode_graph import DecodeStep
 from inference_ref.generate import generate, last_logits, prefill
 from inference_ref.loading import random_llama
@@ -47,11 +47,6 @@ def run_hf(hf, prompts: list[list[int]], new: int) -> float:
 
     with torch.inference_mode():
         return timed(go)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def kernels_per_step(model, cache) -> int:

@@ -143,9 +143,14 @@ def linear_flops_per_token(cfg: LlamaConfig) -> float:
     return 2.0 * per_layer * cfg.num_hidden_layers
 
 
+def sync() -> None:
+    """Wait for the GPU's queued work (nothing to wait for on a CPU-only machine)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn) -> float:
     """Wall-clock seconds of fn(), with the GPU drained before and after."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     t0 = time.perf_counter()
     fn()
