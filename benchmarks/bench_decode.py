@@ -19,7 +19,7 @@ from transformers import LlamaForCausalLM
 from benchmarks.common import DEVICE, DTYPE, hf_copy, shape, sync, timed, write_result
 from inference_ref.decode_graph import DecodeStep
 from inference_ref.generate import generate, last_logits, prefill
-from inference_ref.loading import random_llama
+from inference_ref.models.llama import random_llama
 
 VARIANTS = ("graph", "graph_compiled")
 

@@ -25,8 +25,8 @@ from benchmarks.common import (
     write_result,
 )
 from inference_ref.attention import packed_kernel
-from inference_ref.llama import cu_seqlens_of
-from inference_ref.loading import random_llama
+from inference_ref.causal_lm import cu_seqlens_of
+from inference_ref.models.llama import random_llama
 
 PEAK_BF16 = 797e12  # measured bf16 matmul on this H200 (shared/gpu/README.md)
 

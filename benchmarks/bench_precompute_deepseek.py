@@ -14,7 +14,7 @@ import torch
 from benchmarks.bench_precompute import side_by_side
 from benchmarks.common import DEEPSEEK_V2_LITE, DEVICE, DTYPE, write_result
 from inference_ref.attention import packed_kernel
-from inference_ref.deepseek_v2 import (
+from inference_ref.models.deepseek_v2 import (
     DeepseekV2Config,
     DeepseekV2Model,
     grouped_kernel,

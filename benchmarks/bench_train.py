@@ -18,7 +18,7 @@ from accelerate import Accelerator
 
 from benchmarks.common import linear_flops_per_token, shape, write_result
 from mtp_train.batching import collate
-from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.heads import HeadSpec, MTPHead
 from mtp_train.losses import DraftObjective, LossWeights, draft_loss
 from mtp_train.train import configure_deepspeed
 
@@ -69,7 +69,7 @@ class TrainConfigView:
 
 def throughput(args, acc: Accelerator) -> dict:
     cfg = shape(args.shape)
-    head = MTPHead(HeadConfig(args.variant, cfg), frozen(cfg, acc.device))
+    head = MTPHead(HeadSpec(args.variant, cfg), frozen(cfg, acc.device))
     objective = DraftObjective(head, LossWeights(), chunk_logits=args.chunk_logits, decay=0.8)
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
     configure_deepspeed(acc, TrainConfigView)

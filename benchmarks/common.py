@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inference_ref.config import LlamaConfig
+from inference_ref.models.llama import LlamaConfig
 
 SHAPES = {
     "llama3_8b": dict(
@@ -107,7 +107,7 @@ def hf_copy(model, hf_class):
     """A transformers model of class `hf_class` (SDPA) holding `model`'s weights, on DEVICE in DTYPE."""
     from transformers import LlamaConfig as HFConfig
 
-    from inference_ref.loading import hf_state_dict
+    from inference_ref.models.llama import hf_state_dict
 
     torch.set_default_dtype(DTYPE)
     with torch.device(DEVICE):

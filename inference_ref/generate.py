@@ -1,7 +1,7 @@
 """Batched target-only generation through the KV cache: the reference the speculative loop must match.
 
 Prompts of different lengths are prefilled together, right-padded, from an empty cache. The padded
-tail of a short row writes cache entries past that row's length; they are scratch (see `llama.KVCache`)
+tail of a short row writes cache entries past that row's length; they are scratch (see `causal_lm.KVCache`)
 and the row's first decoded token overwrites them.
 """
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inference_ref.config import LlamaConfig
+from inference_ref.models.llama import LlamaConfig
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

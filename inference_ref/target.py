@@ -1,66 +1,55 @@
-"""A target of any supported kind, chosen by its `config.json`'s `model_type`.
+"""A target of any registered kind (`inference_ref.models.KINDS`), chosen by its `config.json`'s
+`model_type`: reading its config, loading it, and reading the tensors a head shares.
 
-The kind is that `model_type`: each config class carries it as `model_type`, and `KINDS` below
-is the one table from a kind to what makes a target of it. Code elsewhere asks
-`cfg.model_type == ...` or looks a kind up in `KINDS`.
-
-Every kind has a config with `from_hf` / `to_hf` / `fingerprint` and a model built on
-`llama.CausalLM` (`forward_packed`, `new_cache`, `forward_cached`, `logits`; embeddings, final
-norm and lm_head under the same attribute names), so precompute, generation, the speculative loop
-and validation run any of them unchanged.
+Every kind's model is a `causal_lm.CausalLM` (`forward_packed`, `new_cache`, `forward_cached`,
+`logits`; embeddings, final norm and lm_head under the same attribute names), so precompute,
+generation, the speculative loop and validation run any of them unchanged.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
-from inference_ref.config import LlamaConfig
-from inference_ref.deepseek_v2 import DeepseekV2Config, LatentCache, load_deepseek_v2
-from inference_ref.llama import CausalLM, KVCache
-from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, load_llama, read_tensors
-
-TargetConfig = LlamaConfig | DeepseekV2Config
-Cache = KVCache | LatentCache
-
+from inference_ref.causal_lm import CausalLM
+from inference_ref.loading import EMBED, LM_HEAD, read_tensors
+from inference_ref.models import KINDS, Cache, kind_of
+from inference_ref.models import Config as TargetConfig
+from inference_ref.models.llama import load_llama
 
 TargetModel = CausalLM
-"""What the pipeline uses of a target: the skeleton `LlamaModel` and `DeepseekV2Model` share."""
+"""What the pipeline uses of a target: the skeleton every kind shares."""
 
-
-class Kind(NamedTuple):
-    """What makes a target of one kind."""
-
-    config: type[TargetConfig]
-    load: Callable[..., TargetModel]
-    """`(path, device, dtype)` → the model, from a Hugging Face directory."""
-
-
-KINDS: dict[str, Kind] = {
-    LlamaConfig.model_type: Kind(LlamaConfig, load_llama),
-    DeepseekV2Config.model_type: Kind(DeepseekV2Config, load_deepseek_v2),
-}
+__all__ = [
+    "Cache",
+    "KINDS",
+    "TargetConfig",
+    "TargetModel",
+    "config_from_hf",
+    "read_target_config",
+    "load_target",
+    "frozen_target_tensors",
+    "target_kind",
+]
 
 
 def target_kind(hf: dict) -> str:
     """The kind of a Hugging Face config dict, refusing the ones this project does not run."""
-    kind = hf.get("model_type")
-    if kind not in KINDS:
-        raise ValueError(f"config.json: model_type {kind!r} is not supported ({', '.join(KINDS)})")
-    return kind
+    kind_of(hf.get("model_type"))
+    return hf["model_type"]
 
 
 def config_from_hf(hf: dict) -> TargetConfig:
-    return KINDS[target_kind(hf)].config.from_hf(hf)
+    return kind_of(hf.get("model_type")).config.from_hf(hf)
 
 
 def read_target_config(path: str | Path) -> TargetConfig:
     """The config of the checkpoint directory at `path`, of its own kind."""
-    return config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+    file = Path(path) / "config.json"
+    hf = json.loads(file.read_text())
+    return kind_of(hf.get("model_type"), str(file)).config.from_hf(hf)
 
 
 def load_target(path: str | Path, device="cpu", dtype=torch.float32, compile: bool = False) -> TargetModel:
@@ -78,9 +67,10 @@ def load_target(path: str | Path, device="cpu", dtype=torch.float32, compile: bo
 
 
 def frozen_target_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Embeddings, final norm and lm_head (the embeddings again when tied): what a head shares."""
+    """The tensors a head shares with its target (embeddings, final norm, lm_head; the embeddings
+    again when tied), read by name only."""
     cfg = read_target_config(model_dir)
-    names = [EMBED, FINAL_NORM] + ([] if cfg.tie_word_embeddings else [LM_HEAD])
+    names = [n for n in KINDS[cfg.model_type].shared if not (cfg.tie_word_embeddings and n == LM_HEAD)]
     out = read_tensors(model_dir, names)
     out.setdefault(LM_HEAD, out[EMBED])
     return out

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_ref.config import LlamaConfig
+from inference_ref.models.llama import LlamaConfig
 
 Symbolic = dict[str, tuple[str, ...]]
 Table = dict[str, tuple[int, ...]]

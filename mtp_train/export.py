@@ -25,30 +25,19 @@ import hydra
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference_ref.deepseek_v2 import DeepseekV2Config
-from inference_ref.draft import ARCHITECTURES, FORMAT, FORMAT_VERSION, check_head_fits_target
+from inference_ref.head_spec import CONFIG, FORMAT, FORMAT_VERSION, WEIGHTS, HeadSpec, check_head_fits_target
 from inference_ref.target import TargetConfig, frozen_target_tensors, read_target_config
 from mtp_train.config import RunConfig  # noqa: F401  (registers the schema Hydra composes)
-from mtp_train.engine_layouts import (
-    LAYOUTS,
-    LLAMA_BLOCK,
-    Symbolic,
-    check_layout,
-    deepseek_dense_block,
-    deepseek_dims,
-    deepseek_moe_block,
-    llama_dims,
-    resolve,
-)
-from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.engine_layouts import LAYOUTS, Symbolic, check_layout, resolve
+from mtp_train.heads import MTPHead
+from mtp_train.heads.kinds import LAYER_KINDS
 from mtp_train.targets import check_same_target, resolve_target, target_identity
 
-WEIGHTS, CONFIG = "head.safetensors", "config.json"
 ENGINE_WEIGHTS = "model.safetensors"  # engines read every *.safetensors of the draft directory
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-# Native names of the shared tensors → the MTPHead buffers that hold the target's copies.
-SHARED = {"embed_tokens.weight": "embed_weight", "lm_head.weight": "lm_head_weight"}
+# Native names of the shared tensors (`head_spec.SHARED`) → the MTPHead buffers that hold the target's copies.
+SHARED_BUFFERS = {"embed_tokens.weight": "embed_weight", "lm_head.weight": "lm_head_weight"}
 
 # The native tables: exactly MTPHead's state_dict. The head's own tensors per variant, and its
 # decoder layer under `layer.` with the checkpoint names of the target's kind (without the
@@ -66,21 +55,12 @@ NATIVE_OWN: dict[str, Symbolic] = {
 NATIVE_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "lm_head.weight": ("V", "H")}
 
 
-def native_layer(cfg: HeadConfig) -> tuple[Symbolic, dict[str, int]]:
-    """The decoder layer's names (under `layer.`) and shape symbols for a target of this kind,
-    with the head's MLP (an MoE head's experts stacked)."""
-    if cfg.target.model_type == DeepseekV2Config.model_type:
-        hf = cfg.target.to_hf()
-        full = deepseek_moe_block(hf) if cfg.mlp == "moe" else deepseek_dense_block(hf)
-        block = {n: s for n, s in full.items() if n != "input_layernorm.weight"}
-        return block, deepseek_dims(hf)
-    return LLAMA_BLOCK, llama_dims(cfg.target)
-
-
-def native_table(cfg: HeadConfig, store_shared: bool) -> dict[str, tuple[int, ...]]:
-    block, dims = native_layer(cfg)
+def native_table(spec: HeadSpec, store_shared: bool) -> dict[str, tuple[int, ...]]:
+    """The native head.safetensors' names and shapes: the kind's own tensors, its decoder layer
+    under `layer.` (from the target kind's training module), the shared ones where stored."""
+    block, dims = LAYER_KINDS[spec.target.model_type].native_block(spec.target, spec.mlp)
     symbolic = {
-        **NATIVE_OWN[cfg.variant],
+        **NATIVE_OWN[spec.variant],
         **{f"layer.{name}": shape for name, shape in block.items()},
         **(NATIVE_SHARED if store_shared else {}),
     }
@@ -108,24 +88,16 @@ def head_tensors(
     tensors = dict(own)
     if store_shared:
         # Cloned: a tied target's embedding and lm_head are one tensor, which safetensors refuses twice.
-        tensors.update({name: getattr(head, buffer).clone() for name, buffer in SHARED.items()})
+        tensors.update({name: getattr(head, buffer).clone() for name, buffer in SHARED_BUFFERS.items()})
     return {n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()}
 
 
 def head_config(
     head: MTPHead, identity: dict, training: dict, dtype: torch.dtype, store_shared: bool
 ) -> dict:
-    t = head.cfg.target
     return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "architecture": ARCHITECTURES[t.model_type],
-        "variant": head.cfg.variant,
-        "mlp": head.cfg.mlp,
+        **head.spec.to_config(),
         "dtype": str(dtype).removeprefix("torch."),
-        "hidden_size": t.hidden_size,
-        "vocab_size": t.vocab_size,
-        "layer_config": t.to_hf(),
         "shared_with_target": {"embed_tokens": not store_shared, "lm_head": not store_shared},
         "target": identity,
         "training": training,
@@ -143,7 +115,7 @@ def save_head(
 ) -> Path:
     """Write `head` in the native format to `out_dir` (replacing what is there, atomically)."""
     tensors = head_tensors(head, dtype, store_shared, params)
-    check_layout(tensors, native_table(head.cfg, store_shared), f"native {head.cfg.variant} head")
+    check_layout(tensors, native_table(head.spec, store_shared), f"native {head.spec.variant} head")
     config = head_config(head, target_identity, training, dtype, store_shared)
     return write_atomically(Path(out_dir), lambda d: write_files(d, tensors, config))
 
@@ -229,13 +201,11 @@ def _load_head(head_dir: Path, target_dir: Path, identity: dict) -> MTPHead:
     config = read_head_config(head_dir)
     target = read_target_config(target_dir)
     check_head_matches_target(config, head_dir, target, identity)
-    # "mlp" is absent from heads written before the MoE option: those are dense.
-    head_cfg = HeadConfig(config["variant"], target, config.get("mlp", "dense"))
-    head = MTPHead(head_cfg, frozen_target_tensors(target_dir))
+    head = MTPHead(HeadSpec.from_config(config, f"{head_dir / CONFIG}"), frozen_target_tensors(target_dir))
     tensors = load_file(str(head_dir / WEIGHTS))
-    for name in SHARED:  # stored copies of the target's own tensors: the target's are used
+    for name in SHARED_BUFFERS:  # stored copies of the target's own tensors: the target's are used
         tensors.pop(name, None)
-    check_layout(tensors, native_table(head.cfg, False), f"{head_dir / WEIGHTS}")
+    check_layout(tensors, native_table(head.spec, False), f"{head_dir / WEIGHTS}")
     head.load_state_dict(tensors, strict=True)
     return head
 
@@ -270,7 +240,7 @@ def _layout_writer(
         return lambda d: write_files(d, tensors, config)
     if name not in LAYOUTS:
         raise ValueError(f"export.formats: unknown layout {name!r} (known: native, {', '.join(LAYOUTS)})")
-    layout = LAYOUTS[name](tensors, head.cfg.target.to_hf(), head.cfg.variant)
+    layout = LAYOUTS[name](tensors, head.spec.target.to_hf(), head.spec.variant)
     check_layout(layout.tensors, layout.table, f"layout {name}")
     return lambda d: write_files(d, layout.tensors, layout.config, ENGINE_WEIGHTS)
 

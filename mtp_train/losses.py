@@ -109,7 +109,7 @@ class DraftObjective(torch.nn.Module):
         super().__init__()
         self.head, self.weights, self.decay = head, weights, decay
         # Rows per chunk from a logits budget: peak memory stays flat in tokens and in vocabulary.
-        self.chunk = max(1, chunk_logits // head.cfg.target.vocab_size)
+        self.chunk = max(1, chunk_logits // head.spec.target.vocab_size)
 
     def forward(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean loss over supervised positions (chained step j weighted decay^j) and per-step metrics."""

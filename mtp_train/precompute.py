@@ -36,7 +36,7 @@ from accelerate.utils import parse_flag_from_env
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from inference_ref.llama import cu_seqlens_of
+from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.target import TargetModel, load_target, read_target_config
 from mtp_train import config as _config  # noqa: F401  (registers the Hydra schema)
 from mtp_train.data import Sample, load_samples

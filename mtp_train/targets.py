@@ -9,11 +9,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from inference_ref import deepseek_v2 as ds
-from inference_ref.config import LlamaConfig
-from inference_ref.deepseek_v2 import YarnScaling
 from inference_ref.gguf import convert_gguf
-from inference_ref.loading import hf_state_dict, random_llama
+from inference_ref.models import deepseek_v2 as ds
+from inference_ref.models.deepseek_v2 import YarnScaling
+from inference_ref.models.llama import LlamaConfig, hf_state_dict, random_llama
 from inference_ref.target import KINDS, TargetConfig, read_target_config
 from mtp_train.demo_target import cache_dir, smollm2_dir
 

@@ -25,7 +25,7 @@ from inference_ref.target import frozen_target_tensors, read_target_config
 from mtp_train import checkpoint
 from mtp_train.batching import DraftBatch, MicroBatchPlan, collate, prefetched
 from mtp_train.config import ModelConfig, RunConfig, TrainConfig
-from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.heads import HeadSpec, MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.progress import Progress
 from mtp_train.store import Store
@@ -36,7 +36,7 @@ from mtp_train.validate import DuringTraining
 def build_head(model: ModelConfig, target_dir: Path, frozen_dtype: torch.dtype) -> MTPHead:
     """A fresh head on the target's frozen embeddings, final norm and lm_head (read by name only)."""
     frozen = {k: v.to(frozen_dtype) for k, v in frozen_target_tensors(target_dir).items()}
-    return MTPHead(HeadConfig(model.variant, read_target_config(target_dir), model.head_mlp), frozen)
+    return MTPHead(HeadSpec(model.variant, read_target_config(target_dir), model.head_mlp), frozen)
 
 
 def check_store(store: Store, head: MTPHead, identity: dict) -> None:
@@ -46,10 +46,10 @@ def check_store(store: Store, head: MTPHead, identity: dict) -> None:
             f"{store.path}: the store holds no sample (no supervised assistant tokens in the data?)"
         )
     hidden = store.manifest["hidden_size"]
-    if hidden != head.cfg.target.hidden_size:
+    if hidden != head.spec.target.hidden_size:
         raise ValueError(
             f"{store.path}: hidden size {hidden} does not match the head's target "
-            f"({head.cfg.target.hidden_size}); precompute the store with this target"
+            f"({head.spec.target.hidden_size}); precompute the store with this target"
         )
 
 

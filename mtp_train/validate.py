@@ -21,9 +21,9 @@ import hydra
 import torch
 from transformers import AutoTokenizer
 
+from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.draft import MTPDraft, check_head_fits_target, load_draft
 from inference_ref.generate import generate, prefill
-from inference_ref.llama import cu_seqlens_of
 from inference_ref.speculative import SpecStats, speculative_generate
 from inference_ref.target import TargetModel, load_target, read_target_config
 from mtp_train.batching import align_sample, collate

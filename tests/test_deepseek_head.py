@@ -15,18 +15,19 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 import mtp_train.export as ex
-from inference_ref import deepseek_v2 as ds
-from inference_ref.deepseek_v2 import DeepseekV2Config, DeepseekV2Model
-from inference_ref.draft import HeadSpec, MTPDraft, load_draft
+from inference_ref.causal_lm import cu_seqlens_of, packed_positions
+from inference_ref.draft import MTPDraft, load_draft
 from inference_ref.generate import at_positions, generate
-from inference_ref.llama import cu_seqlens_of, packed_positions
+from inference_ref.head_spec import HeadSpec
+from inference_ref.models import deepseek_v2 as ds
+from inference_ref.models.deepseek_v2 import DeepseekV2Config, DeepseekV2Model
 from inference_ref.speculative import speculative_generate
 from inference_ref.target import frozen_target_tensors, load_target, read_target_config
 from mtp_train.batching import collate
 from mtp_train.engine_layouts import check_layout, deepseek_is_moe, deepseek_mtp_table
 from mtp_train.export import export
 from mtp_train.head_attention import Segments
-from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.heads import MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.precompute import run_precompute
 from mtp_train.targets import TINY, target_identity, write_random_target
@@ -55,7 +56,7 @@ def random_head(
 ) -> MTPHead:
     """Every trainable tensor random (norms around 1), so each part of the math shows in the output."""
     torch.manual_seed(seed)
-    head = MTPHead(HeadConfig(variant, target.cfg, mlp), frozen_of(target))
+    head = MTPHead(HeadSpec(variant, target.cfg, mlp), frozen_of(target))
     with torch.no_grad():
         for name, p in head.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
@@ -149,7 +150,7 @@ def bigram_pair(
             if name.endswith("o_proj.weight") or "down_proj" in name:
                 p.normal_(0, context)
     torch.manual_seed(1)
-    head = MTPHead(HeadConfig("rmsnorm-restored", target.cfg, mlp), frozen_of(target))
+    head = MTPHead(HeadSpec("rmsnorm-restored", target.cfg, mlp), frozen_of(target))
     with torch.no_grad():
         for p in head.parameters():
             if p.dim() >= 2:
@@ -255,7 +256,7 @@ def test_a_head_for_another_kind_of_target_is_refused(tiny_deepseek, tiny_target
     heads = {}
     for name, target_dir in (("llama", tiny_target), ("deepseek_v2", tiny_deepseek)):
         head = MTPHead(
-            HeadConfig("rmsnorm-restored", read_target_config(target_dir)), frozen_target_tensors(target_dir)
+            HeadSpec("rmsnorm-restored", read_target_config(target_dir)), frozen_target_tensors(target_dir)
         )
         heads[name] = ex.save_head(head, tmp_path / name, target_identity(target_dir), {})
     with pytest.raises(ValueError, match="LlamaMTPHead for a llama target.*is deepseek_v2"):
@@ -276,7 +277,7 @@ def test_moe_head_trains_its_experts_and_router(tiny_deepseek):
     every part of the MoE block gets a gradient, and the grouped matmul's backward equals a
     per-expert loop's."""
     target = load_target(tiny_deepseek)
-    head = MTPHead(HeadConfig("rmsnorm-restored", target.cfg, "moe"), frozen_target_tensors(tiny_deepseek))
+    head = MTPHead(HeadSpec("rmsnorm-restored", target.cfg, "moe"), frozen_target_tensors(tiny_deepseek))
     g = torch.Generator().manual_seed(0)
     samples = []
     for n in (19, 12):
@@ -310,7 +311,7 @@ def test_moe_head_exports_to_deepseek_mtp_as_an_moe_layer(tiny_deepseek, tmp_pat
     layer N as MoE."""
     target = read_target_config(tiny_deepseek)
     torch.manual_seed(0)
-    head = MTPHead(HeadConfig("rmsnorm-restored", target, "moe"), frozen_target_tensors(tiny_deepseek))
+    head = MTPHead(HeadSpec("rmsnorm-restored", target, "moe"), frozen_target_tensors(tiny_deepseek))
     ex.save_head(head, tmp_path / "head", target_identity(tiny_deepseek), {}, torch.float32)
     overrides = [
         "model=tiny_deepseek_v2",
@@ -344,9 +345,9 @@ def test_moe_head_exports_to_deepseek_mtp_as_an_moe_layer(tiny_deepseek, tmp_pat
 def test_moe_option_refused_on_llama_and_unknown_values(tiny_target):
     llama = read_target_config(tiny_target)
     with pytest.raises(ValueError, match="head_mlp: 'moe' .* this target is llama"):
-        HeadConfig("rmsnorm-restored", llama, "moe")
+        HeadSpec("rmsnorm-restored", llama, "moe")
     with pytest.raises(ValueError, match="head_mlp: 'sparse' is not one of"):
-        HeadConfig("rmsnorm-restored", CONFIGS["lite"], "sparse")
+        HeadSpec("rmsnorm-restored", CONFIGS["lite"], "sparse")
     layer = {"format": ex.FORMAT, "format_version": ex.FORMAT_VERSION, "variant": "rmsnorm-restored"}
     with pytest.raises(ValueError, match="config.json: mlp: 'moe' .* this target is llama"):
         HeadSpec.from_config(
@@ -361,4 +362,4 @@ def test_the_trainer_builds_the_configured_mlp(tiny_deepseek):
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
         cfg = compose("config", overrides=overrides)
     head = build_head(cfg.model, tiny_deepseek, torch.float32)
-    assert head.cfg.mlp == "moe" and "layer.mlp.experts.gate_up_proj" in dict(head.named_parameters())
+    assert head.spec.mlp == "moe" and "layer.mlp.experts.gate_up_proj" in dict(head.named_parameters())

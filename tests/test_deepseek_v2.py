@@ -14,13 +14,15 @@ import transformers
 from safetensors.torch import save_file
 
 from benchmarks.common import DEEPSEEK_V2_LITE
-from inference_ref import deepseek_v2 as ds
-from inference_ref.config import LlamaConfig
-from inference_ref.deepseek_v2 import DeepseekV2Config, YarnScaling, load_deepseek_v2
-from inference_ref.draft import HeadSpec, MTPDraft
+from inference_ref.causal_lm import cu_seqlens_of
+from inference_ref.draft import MTPDraft
 from inference_ref.generate import generate
-from inference_ref.llama import cu_seqlens_of
+from inference_ref.head_spec import HeadSpec
 from inference_ref.loading import read_tensors, safetensors_files
+from inference_ref.models import deepseek_v2 as ds
+from inference_ref.models.deepseek_v2 import DeepseekV2Config, YarnScaling, load_deepseek_v2
+from inference_ref.models.deepseek_v2 import moe as moe_module
+from inference_ref.models.llama import LlamaConfig
 from inference_ref.speculative import speculative_generate
 
 TINY = dict(
@@ -207,7 +209,7 @@ def test_grouped_experts_equal_a_per_expert_reference():
             ref.index_add_(0, rows, y * weights[rows, slot, None])
         assert rel_err(moe.experts(x, weights, ids), ref) <= 1e-5
         assert rel_err(moe.experts(x, weights, ids, linear=ds.grouped_linear_loop), ref) <= 1e-5
-    if ds._GROUPED_MM is not None:
+    if moe_module._GROUPED_MM is not None:
         assert ds.grouped_kernel() == "grouped_mm"  # the check above ran the grouped kernel
 
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import mtp_train.export as ex
-from inference_ref.config import LlamaConfig, read_config
+from inference_ref.models.llama import LlamaConfig, read_config
 from inference_ref.target import frozen_target_tensors
 from mtp_train.config import RunConfig
 from mtp_train.engine_layouts import (
@@ -31,7 +31,7 @@ from mtp_train.engine_layouts import (
     resolve,
 )
 from mtp_train.head_attention import Segments
-from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.heads import HeadSpec, MTPHead
 from mtp_train.targets import target_identity, write_random_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 def trained_head(target_dir: Path, variant: str, seed: int = 0) -> MTPHead:
     """A head whose every parameter is off its initial value (norms ≠ 1, bias ≠ 0)."""
     torch.manual_seed(seed)
-    head = MTPHead(HeadConfig(variant, read_config(target_dir)), frozen_target_tensors(target_dir))
+    head = MTPHead(HeadSpec(variant, read_config(target_dir)), frozen_target_tensors(target_dir))
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -50,7 +50,7 @@ def trained_head(target_dir: Path, variant: str, seed: int = 0) -> MTPHead:
 def draft_logits(head: MTPHead, steps: int = 2, n: int = 7) -> torch.Tensor:
     """Chained logits [steps, n, V] on fixed random inputs."""
     g = torch.Generator().manual_seed(1)
-    cfg = head.cfg.target
+    cfg = head.spec.target
     hidden = torch.randn(n, cfg.hidden_size, generator=g)
     tokens = torch.randint(0, cfg.vocab_size, (steps, n), generator=g)
     seg = Segments(cu_seqlens=torch.tensor([0, n]), max_len=n)
@@ -101,7 +101,7 @@ def test_native_names_and_config_are_the_contract(tiny_target, identity, tmp_pat
         *(f"layer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
     ]
     assert set(tensors) == {"enorm.weight", "hnorm.weight", "fc.weight", "norm.weight", *layer}
-    h = head.cfg.target.hidden_size
+    h = head.spec.target.hidden_size
     assert tensors["fc.weight"].shape == (h, 2 * h)
     config = json.loads((out / "config.json").read_text())
     assert config == {
@@ -112,13 +112,13 @@ def test_native_names_and_config_are_the_contract(tiny_target, identity, tmp_pat
         "mlp": "dense",
         "dtype": "bfloat16",
         "hidden_size": h,
-        "vocab_size": head.cfg.target.vocab_size,
-        "layer_config": head.cfg.target.to_hf(),
+        "vocab_size": head.spec.target.vocab_size,
+        "layer_config": head.spec.target.to_hf(),
         "shared_with_target": {"embed_tokens": True, "lm_head": True},
         "target": identity,
         "training": {"step": 5, "tokens": 1000},
     }
-    assert LlamaConfig.from_hf(config["layer_config"]) == head.cfg.target
+    assert LlamaConfig.from_hf(config["layer_config"]) == head.spec.target
 
 
 def test_eagle1_native_names_and_stored_shared(tiny_target, identity, tmp_path):
@@ -233,7 +233,7 @@ def test_eagle1_layout_matches_sglang_table(tiny_target, identity, tmp_path):
         run_config(tiny_target, ckpt, tmp_path / "export", ["native", "eagle1"], dtype="float32")
     )
     tensors = load_file(written["eagle1"] / "model.safetensors")
-    cfg = head.cfg.target
+    cfg = head.spec.target
     check_layout(tensors, resolve(EAGLE1_SGLANG, llama_dims(cfg)), "eagle1")
     block = [
         *(f"self_attn.{p}_proj.weight" for p in "qkvo"),

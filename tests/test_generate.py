@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from inference_ref.generate import generate, sample
-from inference_ref.loading import load_llama
+from inference_ref.models.llama import load_llama
 
 QUESTIONS = [
     "What is the capital of France?",

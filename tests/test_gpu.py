@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from inference_ref.attention import _sdpa_per_sequence, packed_causal_attention, packed_kernel
-from inference_ref.config import LlamaConfig
-from inference_ref.llama import cu_seqlens_of
-from inference_ref.loading import random_llama
+from inference_ref.causal_lm import cu_seqlens_of
+from inference_ref.models.llama import LlamaConfig, random_llama
 from mtp_train.batching import collate
-from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.heads import HeadSpec, MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
 
 pytestmark = pytest.mark.gpu
@@ -87,7 +86,7 @@ def test_training_step_on_gpu():
         "model.norm.weight": torch.ones(CFG.hidden_size),
         "lm_head.weight": torch.randn(CFG.vocab_size, CFG.hidden_size, generator=g) * 0.05,
     }
-    head = MTPHead(HeadConfig("rmsnorm-restored", CFG), frozen).cuda()
+    head = MTPHead(HeadSpec("rmsnorm-restored", CFG), frozen).cuda()
     objective = DraftObjective(head, LossWeights(), chunk_logits=64 * CFG.vocab_size, decay=0.8)
     samples = [
         (

@@ -7,11 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from inference_ref.config import LlamaConfig
-from inference_ref.llama import Rotary
+from inference_ref.models.llama import LlamaConfig, Rotary
 from mtp_train.batching import MicroBatchPlan, align_sample, collate
 from mtp_train.head_attention import Segments, head_attention
-from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.heads import HeadSpec, MTPHead
 from mtp_train.losses import DraftObjective, LossWeights, draft_loss, reference_loss
 
 CFG = LlamaConfig(
@@ -36,7 +35,7 @@ def frozen(cfg: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def make_head(variant: str = "rmsnorm-restored", seed: int = 0) -> MTPHead:
     torch.manual_seed(seed)
-    return MTPHead(HeadConfig(variant, CFG), frozen(CFG))
+    return MTPHead(HeadSpec(variant, CFG), frozen(CFG))
 
 
 def test_five_token_alignment_by_hand():
@@ -136,7 +135,7 @@ def test_restored_head_structure():
 
 def test_unknown_variant_is_an_error():
     with pytest.raises(ValueError, match="variant"):
-        HeadConfig("medusa", CFG)
+        HeadSpec("medusa", CFG)
 
 
 def test_chunked_loss_equals_reference_in_value_and_gradient():

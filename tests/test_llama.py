@@ -9,11 +9,17 @@ import pytest
 import torch
 import transformers
 
-from inference_ref import llama
-from inference_ref.config import LlamaConfig, RopeScaling
+from inference_ref import causal_lm
+from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.generate import generate, right_pad
-from inference_ref.llama import LlamaModel, cu_seqlens_of
-from inference_ref.loading import hf_state_dict, load_llama, random_llama
+from inference_ref.models.llama import (
+    LlamaConfig,
+    LlamaModel,
+    RopeScaling,
+    hf_state_dict,
+    load_llama,
+    random_llama,
+)
 from mtp_train.demo_target import smollm2_gguf
 
 TEXT = (
@@ -175,9 +181,9 @@ def tiny_compiled(monkeypatch):
     model = random_llama(TINY_CONFIGS["gqa-tied"])
     ids, cu = torch.randint(0, 512, (30,)), cu_seqlens_of([12, 18])
     eager, _ = model.forward_packed(ids, cu)
-    llama.compiled.cache_clear()
+    causal_lm.compiled.cache_clear()
     yield model, ids, cu, eager
-    llama.compiled.cache_clear()
+    causal_lm.compiled.cache_clear()
 
 
 def test_layers_that_cannot_compile_run_eager_and_say_so(tiny_compiled, monkeypatch):
@@ -219,7 +225,7 @@ def test_decoding_runs_the_compiled_cached_forward(monkeypatch):
 
         return run
 
-    llama.compiled.cache_clear()
+    causal_lm.compiled.cache_clear()
     try:
         monkeypatch.setattr(torch, "compile", counting_compile)
         model.compile_layers()
@@ -230,11 +236,11 @@ def test_decoding_runs_the_compiled_cached_forward(monkeypatch):
 
         model.compile_layers()
         model.forward_packed(torch.randint(0, 512, (10,)), cu_seqlens_of([4, 6]))  # proven
-        llama.compiled.cache_clear()  # rebuilt from the failing compile below
+        causal_lm.compiled.cache_clear()  # rebuilt from the failing compile below
         monkeypatch.setattr(torch, "compile", fake_compile(works_for=0))
         with pytest.warns(UserWarning, match="compiled cached layers .* no C\\+\\+ compiler") as caught:
             assert generate(model, prompts, 6, eos_ids=[]) == eager
         assert caught[0].filename.endswith("generate.py")  # it names the forward's caller
         assert not model.runs_compiled("cached") and model.runs_compiled("packed")
     finally:
-        llama.compiled.cache_clear()
+        causal_lm.compiled.cache_clear()

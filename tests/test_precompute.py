@@ -18,8 +18,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from inference_ref.llama import cu_seqlens_of
-from inference_ref.loading import load_llama
+from inference_ref.causal_lm import cu_seqlens_of
+from inference_ref.models.llama import load_llama
 from mtp_train.config import RunConfig
 from mtp_train.data import load_samples
 from mtp_train.precompute import pack_by_length, precompute_rank, prepare, run_precompute

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 import mtp_train.regenerate as regen
 from inference_ref.generate import generate
-from inference_ref.loading import load_llama
+from inference_ref.models.llama import load_llama
 from mtp_train.config import DataConfig, RegenerateConfig
 from mtp_train.data import load_samples, prompt_ids
 from mtp_train.regenerate import Counts, answer_text, regenerate

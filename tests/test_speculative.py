@@ -14,14 +14,13 @@ import torch
 from safetensors.torch import save_file
 
 from inference_ref import speculative
-from inference_ref.config import LlamaConfig
+from inference_ref.causal_lm import cu_seqlens_of, packed_positions
 from inference_ref.draft import MTPDraft, load_draft
 from inference_ref.generate import at_positions, generate
-from inference_ref.llama import LlamaModel, cu_seqlens_of, packed_positions
-from inference_ref.loading import load_llama, random_llama
+from inference_ref.models.llama import LlamaConfig, LlamaModel, load_llama, random_llama
 from inference_ref.speculative import speculative_generate
 from mtp_train.head_attention import Segments
-from mtp_train.heads import HeadConfig, MTPHead
+from mtp_train.heads import HeadSpec, MTPHead
 
 VARIANTS = ["rmsnorm-restored", "eagle1"]
 
@@ -63,7 +62,7 @@ def frozen_of(target: LlamaModel) -> dict[str, torch.Tensor]:
 def random_head(target: LlamaModel, variant: str, seed: int = 0, scale: float = 0.1) -> MTPHead:
     """Every trainable tensor random (norms around 1), so each part of the math shows in the output."""
     torch.manual_seed(seed)
-    head = MTPHead(HeadConfig(variant, target.cfg), frozen_of(target))
+    head = MTPHead(HeadSpec(variant, target.cfg), frozen_of(target))
     with torch.no_grad():
         for name, p in head.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
@@ -74,7 +73,7 @@ def bigram_head(target: LlamaModel, variant: str, noise: float = 0.03, seed: int
     """A good but imperfect draft for `small_target`: fc passes the token's embedding through, so the
     head predicts the bigram successor of the token it reads; random `noise` everywhere else."""
     torch.manual_seed(seed)
-    head = MTPHead(HeadConfig(variant, target.cfg), frozen_of(target))
+    head = MTPHead(HeadSpec(variant, target.cfg), frozen_of(target))
     h = target.cfg.hidden_size
     with torch.no_grad():
         for p in head.parameters():
@@ -92,12 +91,12 @@ def export_native(
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
     save_file({**tensors, **(stored or {})}, str(out_dir / "head.safetensors"))
-    t = head.cfg.target
+    t = head.spec.target
     meta = {
         "format": "mtp-train-head",
         "format_version": 1,
         "architecture": "LlamaMTPHead",
-        "variant": head.cfg.variant,
+        "variant": head.spec.variant,
         "dtype": "float32",
         "hidden_size": t.hidden_size,
         "vocab_size": t.vocab_size,

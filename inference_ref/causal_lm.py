@@ -1,23 +1,38 @@
-"""Llama-family target for inference: packed forward (precompute) and KV-cache decode.
+"""The skeleton every target kind shares: embeddings, decoder layers, final norm, lm_head and a
+rotary table; the packed forward (precompute) and the cached forward (decode), each optionally with
+compiled layers; packing helpers; RMSNorm and the standard per-head KV cache.
 
-Architecture only: no training, no data. Projections are fused (q|k|v and gate|up) so each
-layer runs two large matmuls where the checkpoint has five. Hidden states are returned
-*before* the final norm, which is what the store and the draft consume.
+Architecture only: no training, no data. Hidden states are returned *before* the final norm,
+which is what the store and the draft consume. A target kind (`inference_ref/models/<kind>`)
+supplies its layers, its rotary module and its cache type.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from inference_ref.attention import cache_slots, cached_attention, packed_causal_attention
-from inference_ref.config import LlamaConfig, rope_inv_freq
+from inference_ref.attention import cache_slots
+
+
+def eos_token_ids(hf: dict) -> tuple[int, ...]:
+    """config.json's `eos_token_id` (one id, a list, or absent) as a tuple."""
+    eos = hf.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+
+
+def config_fingerprint(fields: dict) -> str:
+    """A short hash of a target config's fields, recorded in stores and exported heads to match
+    them to targets."""
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,98 +66,13 @@ class Fp32Frequencies(nn.Module):
         return self
 
 
-class Rotary(Fp32Frequencies):
-    """cos/sin tables for given positions, in the `rotate_half` convention."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, heads, d]; cos/sin [..., T, d]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        qkv_out = (self.n_heads + 2 * self.n_kv) * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        q, k, v = self.qkv_proj(x).split(
-            [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], -1
-        )
-        q = q.unflatten(-1, (self.n_heads, self.head_dim))
-        k = k.unflatten(-1, (self.n_kv, self.head_dim))
-        v = v.unflatten(-1, (self.n_kv, self.head_dim))
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
-
-    def forward_packed(self, x, cos, sin, cu_seqlens, max_len):
-        q, k, v = self._qkv(x, cos, sin)
-        o = packed_causal_attention(q, k, v, cu_seqlens, max_len)
-        return self.o_proj(o.flatten(-2))
-
-    def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask):
-        """x [B, S, H]; writes the new K/V at `slots` [B, S] of this layer's cache, then attends."""
-        q, k, v = self._qkv(x, cos, sin)
-        rows = torch.arange(x.shape[0], device=x.device)[:, None]
-        k_cache[rows, slots] = k.to(k_cache.dtype)
-        v_cache[rows, slots] = v.to(v_cache.dtype)
-        key_len = mask.shape[-1]
-        o = cached_attention(q, k_cache[:, :key_len], v_cache[:, :key_len], mask)
-        return self.o_proj(o.flatten(-2))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-
-    def forward_packed(self, x, cos, sin, cu_seqlens, max_len):
-        x = x + self.self_attn.forward_packed(self.input_layernorm(x), cos, sin, cu_seqlens, max_len)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask):
-        h = self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, k_cache, v_cache, slots, mask)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 @dataclass
 class KVCache:
     """Static cache for a batch: row b holds `lengths[b]` committed entries.
 
     Entries past a row's length are scratch: a verify step writes there, and whatever the
-    caller does not commit (rejected draft tokens) is overwritten by the next step.
+    caller does not commit (rejected draft tokens) is overwritten by the next step. The cache of
+    every kind whose attention keeps per-head K/V (`num_key_value_heads` × `head_dim`).
     """
 
     k: torch.Tensor  # [layers, B, max_len, kv_heads, head_dim]
@@ -150,7 +80,7 @@ class KVCache:
     lengths: torch.Tensor  # [B] int64
 
     @classmethod
-    def empty(cls, cfg: LlamaConfig, layers: int, batch: int, max_len: int, device, dtype) -> KVCache:
+    def empty(cls, cfg, layers: int, batch: int, max_len: int, device, dtype) -> KVCache:
         shape = (layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
         return cls(
@@ -282,14 +212,6 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = self.cached_layer(layer, x, cos, sin, *cache.layer(i), slots, mask)
         return x
-
-
-class LlamaModel(CausalLM):
-    """`LlamaForCausalLM` with fused projections; embeddings tied or not as configured."""
-
-    def __init__(self, cfg: LlamaConfig):
-        layers = [DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
-        super().__init__(cfg, layers, Rotary(cfg), KVCache)
 
 
 def packed_layer_forward(layer: nn.Module, x, cos, sin, cu_seqlens, max_len: int) -> torch.Tensor:

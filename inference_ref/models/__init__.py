@@ -1,0 +1,79 @@
+"""The target kinds: one registry keyed by the `model_type` of a Hugging Face `config.json`.
+
+Each kind is one module (or small package) under `inference_ref/models/` and one entry in `KINDS`:
+its config class, model class, weight loader, random weights, the tiny debug shape, and how a draft
+head builds a layer of its kind. Nothing else in the repository branches on a target kind.
+Adding a kind: docs/design.md, "Adding a target kind".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from inference_ref.causal_lm import CausalLM, KVCache
+from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD
+from inference_ref.models import deepseek_v2, llama
+
+Config = llama.LlamaConfig | deepseek_v2.DeepseekV2Config
+Cache = KVCache | deepseek_v2.LatentCache
+
+
+class TargetKind(NamedTuple):
+    """What makes a target of one kind, and a draft head's layer of that kind."""
+
+    config: type
+    """Has `model_type`, `from_hf(dict)`, `to_hf()`, `fingerprint()`."""
+    model: type[CausalLM]
+    load: Callable[..., CausalLM]
+    """`(path, device, dtype)` → the model, from a Hugging Face directory."""
+    random: Callable[..., CausalLM]
+    """`(cfg, device, dtype, seed)` → a model with random weights (tests, benchmarks)."""
+    hf_state_dict: Callable[[CausalLM], dict[str, torch.Tensor]]
+    """A model's weights under the Hugging Face checkpoint's names."""
+    head_layer: Callable[[Config, str], tuple[nn.Module, nn.Module, type]]
+    """`(cfg, mlp)` → a serving head's decoder layer, rotary module and cache type."""
+    fuse_head_layer: Callable[[dict, Config, str], dict]
+    """`(tensors, cfg, mlp)`: a native head's `layer.*` tensors → the serving layer's names."""
+    head_mlps: tuple[str, ...]
+    """The MLPs a head's layer can have (`dense`, and `moe` where the target's layers have experts)."""
+    tiny: dict
+    """The debug shape: a few layers of 64 wide, every structural feature of the kind kept."""
+    shared: tuple[str, ...] = (EMBED, FINAL_NORM, LM_HEAD)
+    """The checkpoint's tensors a head shares: embeddings, final norm, lm_head."""
+
+
+KINDS: dict[str, TargetKind] = {
+    llama.LlamaConfig.model_type: TargetKind(
+        llama.LlamaConfig,
+        llama.LlamaModel,
+        llama.load_llama,
+        llama.random_llama,
+        llama.hf_state_dict,
+        llama.head_layer,
+        llama.fuse_head_layer,
+        ("dense",),
+        llama.TINY,
+    ),
+    deepseek_v2.DeepseekV2Config.model_type: TargetKind(
+        deepseek_v2.DeepseekV2Config,
+        deepseek_v2.DeepseekV2Model,
+        deepseek_v2.load_deepseek_v2,
+        deepseek_v2.random_deepseek_v2,
+        deepseek_v2.hf_state_dict,
+        deepseek_v2.head_layer,
+        deepseek_v2.fuse_head_layer,
+        ("dense", "moe"),
+        deepseek_v2.TINY,
+    ),
+}
+
+
+def kind_of(model_type: str | None, where: str = "config.json") -> TargetKind:
+    """The registry entry for `model_type`, refusing one no kind handles with the list of those that are."""
+    if model_type not in KINDS:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported ({', '.join(KINDS)})")
+    return KINDS[model_type]
