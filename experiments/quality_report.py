@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from experiments.quality_smollm2 import BENCHES, HEADS
+from experiments.quality_heads import BENCHES, HEADS
 
 MODES = ("greedy", "T=1")
 

@@ -43,21 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-@dataclass(frozen=True)
-class Head:
-    name: str
-    overrides: tuple[str, ...]
-    """Hydra overrides that make this head what it is."""
-
-
-HEADS = (
-    Head("eagle1", ("model.variant=eagle1", "train.unroll_steps=1")),
-    Head("restored", ("model.variant=rmsnorm-restored", "train.unroll_steps=1")),
-    Head("restored_unroll3", ("model.variant=rmsnorm-restored", "train.unroll_steps=3")),
-)
+from experiments.quality_heads import BENCHES, HEADS, REPO, Head
 
 
 @dataclass(frozen=True)
@@ -93,9 +79,6 @@ class Plan:
             else:
                 values[key] = int(value)
         return cls(**values)
-
-
-BENCHES = {"mt_bench": REPO / "data/mt_bench.jsonl", "vicuna_bench": REPO / "data/vicuna_bench.jsonl"}
 
 
 @dataclass(frozen=True)

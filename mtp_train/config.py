@@ -42,7 +42,8 @@ class DataConfig:
     max_samples: int | None = None
     """Use at most this many records (after skipping `holdout`)."""
     holdout: int = 0
-    """The first `holdout` records are kept out of training, for validation."""
+    """The first `holdout` records are kept out of training; when > 0 they are validation's
+    teacher-forced text (else the target's answers to `validate.eval_files` are)."""
 
 
 @dataclass
@@ -90,8 +91,8 @@ class PrecomputeConfig:
 
 @dataclass
 class TrainConfig:
-    store_dir: str = "${run_dir}/store"
-    """Store written by precompute."""
+    store_dir: str = "${precompute.store_dir}"
+    """Store written by precompute (the same directory unless overridden)."""
     out_dir: str = "${run_dir}/train"
     """Checkpoints, exported heads and logs."""
     steps: int = 1000
@@ -139,8 +140,8 @@ class TrainConfig:
 
 @dataclass
 class ValidateConfig:
-    head: str = "${run_dir}/train/head"
-    """Exported head directory (native format)."""
+    head: str = "${train.out_dir}/head"
+    """Exported head directory (native format): the trained head unless overridden."""
     eval_files: list[str] = field(default_factory=list)
     """Evaluation prompts (MT-bench `turns`, or any conversation file)."""
     num_prompts: int | None = None
@@ -176,8 +177,8 @@ class ValidateConfig:
 
 @dataclass
 class ExportConfig:
-    checkpoint: str = "${run_dir}/train/head"
-    """Head to export (native format directory)."""
+    checkpoint: str = "${train.out_dir}/head"
+    """Head to export (native format directory): the trained head unless overridden."""
     out_dir: str = "${run_dir}/export"
     """Where the exported layouts go."""
     formats: list[str] = field(default_factory=lambda: ["native"])

@@ -71,20 +71,18 @@ def run_demo(overrides: list[str]) -> dict:
     from mtp_train.export import export
     from mtp_train.precompute import run_precompute
     from mtp_train.regenerate import regenerate
+    from mtp_train.run import resolve_run
     from mtp_train.store import Store
-    from mtp_train.targets import default_device, model_dtype, resolve_target
     from mtp_train.train import train
     from mtp_train.validate import run_validation, summary
 
     cfg = demo_config(overrides)
     started = time.perf_counter()
     t = stage("target")
-    target_dir = resolve_target(cfg.model.target)
-    print(f"{target_dir} ({time.perf_counter() - t:.0f} s)")
+    run = resolve_run(cfg.model)
+    print(f"{run.target.dir} ({time.perf_counter() - t:.0f} s)")
     t = stage("regenerate: the target answers the prompts")
-    device = default_device()
-    dtype = model_dtype(cfg.model.dtype, device)
-    counts = regenerate(cfg.regenerate, target_dir, device, dtype)
+    counts = regenerate(cfg.regenerate, run.target.dir, run.device, run.dtype)
     print(f"{counts} ({time.perf_counter() - t:.0f} s)")
     t = stage("precompute: hidden states to the store")
     store = Store(run_precompute(cfg))

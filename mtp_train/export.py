@@ -26,12 +26,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from inference_ref.head_spec import CONFIG, FORMAT, FORMAT_VERSION, WEIGHTS, HeadSpec, check_head_fits_target
-from inference_ref.target import TargetConfig, frozen_target_tensors, read_target_config
+from inference_ref.target import TargetConfig, frozen_target_tensors
 from mtp_train.config import RunConfig  # noqa: F401  (registers the schema Hydra composes)
 from mtp_train.engine_layouts import LAYOUTS, Symbolic, check_layout, resolve
 from mtp_train.heads import MTPHead
 from mtp_train.heads.kinds import LAYER_KINDS
-from mtp_train.targets import check_same_target, resolve_target, target_identity
+from mtp_train.run import Target
+from mtp_train.targets import check_same_target
 
 ENGINE_WEIGHTS = "model.safetensors"  # engines read every *.safetensors of the draft directory
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -192,16 +193,14 @@ def check_head_matches_target(config: dict, head_dir: Path, target: TargetConfig
     check_same_target(identity, config["target"], f"head {head_dir} (trained for {trained_for})")
 
 
-def load_head(head_dir: str | Path, target_dir: str | Path) -> MTPHead:
-    """Rebuild a trainable MTPHead from a native head directory on the target it was trained for."""
-    return _load_head(Path(head_dir), Path(target_dir), target_identity(target_dir))
-
-
-def _load_head(head_dir: Path, target_dir: Path, identity: dict) -> MTPHead:
+def load_head(head_dir: str | Path, target: Target | str | Path) -> MTPHead:
+    """Rebuild a trainable MTPHead from a native head directory on the target it was trained for
+    (a resolved `Target`, or a target directory)."""
+    target = target if isinstance(target, Target) else Target.resolve(str(target))
+    head_dir = Path(head_dir)
     config = read_head_config(head_dir)
-    target = read_target_config(target_dir)
-    check_head_matches_target(config, head_dir, target, identity)
-    head = MTPHead(HeadSpec.from_config(config, f"{head_dir / CONFIG}"), frozen_target_tensors(target_dir))
+    check_head_matches_target(config, head_dir, target.config, target.identity)
+    head = MTPHead(HeadSpec.from_config(config, f"{head_dir / CONFIG}"), frozen_target_tensors(target.dir))
     tensors = load_file(str(head_dir / WEIGHTS))
     for name in SHARED_BUFFERS:  # stored copies of the target's own tensors: the target's are used
         tensors.pop(name, None)
@@ -220,9 +219,9 @@ def export(cfg) -> dict[str, Path]:
     partial export behind.
     """
     ec = cfg.export
-    target_dir = resolve_target(cfg.model.target)
-    identity = target_identity(target_dir)
-    head = _load_head(Path(ec.checkpoint), target_dir, identity)  # refuses another target
+    target = Target.resolve(cfg.model.target)
+    identity = target.identity
+    head = load_head(ec.checkpoint, target)  # refuses another target
     training = read_head_config(ec.checkpoint)["training"]
     dtype = DTYPES[ec.dtype]
     writers = {

@@ -37,9 +37,10 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from inference_ref.causal_lm import cu_seqlens_of
-from inference_ref.target import TargetModel, load_target, read_target_config
+from inference_ref.target import TargetModel, load_target
 from mtp_train import config as _config  # noqa: F401  (registers the Hydra schema)
 from mtp_train.data import Sample, load_samples
+from mtp_train.run import Target
 from mtp_train.store import (
     FORMAT,
     VERSION,
@@ -51,7 +52,7 @@ from mtp_train.store import (
     quantize_fp8,
     write_json_atomic,
 )
-from mtp_train.targets import check_same_target, model_dtype, resolve_target, target_identity
+from mtp_train.targets import check_same_target, model_dtype
 
 DISK_MARGIN_BYTES = 1 << 30  # free space kept beyond the estimate: logs, checkpoints, a wrong guess
 DISK_MARGIN_FRACTION = 0.05
@@ -102,16 +103,16 @@ def prepare(cfg, rank: int, world: int) -> RankJob:
     """Tokenize the data, fix the run's settings, and claim (or re-check) the store directory."""
     from transformers import AutoTokenizer
 
-    target_dir = resolve_target(cfg.model.target)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    target = Target.resolve(cfg.model.target)
+    tokenizer = AutoTokenizer.from_pretrained(str(target.dir))
     samples, counts = load_samples(cfg.data, tokenizer)
-    header = run_header(cfg, target_dir, samples, counts, world)
+    header = run_header(cfg, target, samples, counts, world)
     store_dir = Path(cfg.precompute.store_dir)
     claim_store_dir(store_dir, header)
     pc = cfg.precompute
     return RankJob(
         store_dir=store_dir,
-        target_dir=target_dir,
+        target_dir=target.dir,
         rank=rank,
         world=world,
         samples=samples,
@@ -124,13 +125,13 @@ def prepare(cfg, rank: int, world: int) -> RankJob:
     )
 
 
-def run_header(cfg, target_dir: Path, samples: list[Sample], counts: dict, world: int) -> dict:
+def run_header(cfg, target: Target, samples: list[Sample], counts: dict, world: int) -> dict:
     """The manifest fields fixed before any compute."""
-    hidden_size = read_target_config(target_dir).hidden_size
+    hidden_size = target.config.hidden_size
     return {
         "format": FORMAT,
         "version": VERSION,
-        "target": target_identity(target_dir),
+        "target": target.identity,
         "hidden_size": hidden_size,
         "hidden_dtype": cfg.precompute.hidden_dtype,
         "bytes_per_token": bytes_per_token(hidden_size, cfg.precompute.hidden_dtype),

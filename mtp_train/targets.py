@@ -10,9 +10,6 @@ import torch
 from safetensors.torch import save_file
 
 from inference_ref.gguf import convert_gguf
-from inference_ref.models import deepseek_v2 as ds
-from inference_ref.models.deepseek_v2 import YarnScaling
-from inference_ref.models.llama import LlamaConfig, hf_state_dict, random_llama
 from inference_ref.target import KINDS, TargetConfig, read_target_config
 from mtp_train.demo_target import cache_dir, smollm2_dir
 
@@ -58,8 +55,9 @@ def weights_hash(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def target_identity(model_dir: str | Path) -> dict:
-    """What must match between a target and the stores and heads made from it."""
+def target_identity(model_dir: str | Path, config: TargetConfig | None = None) -> dict:
+    """What must match between a target and the stores and heads made from it (`config`: the
+    target's, where the caller has read it already)."""
     model_dir = Path(model_dir)
     from transformers import AutoTokenizer
 
@@ -67,7 +65,7 @@ def target_identity(model_dir: str | Path) -> dict:
     template = tok.chat_template or ""
     return {
         "path": str(model_dir.resolve()),
-        "config_hash": read_target_config(model_dir).fingerprint(),
+        "config_hash": (config or read_target_config(model_dir)).fingerprint(),
         "weights_hash": weights_hash(model_dir),
         "tokenizer_hash": _file_hash(model_dir / "tokenizer.json"),
         "chat_template_hash": hashlib.sha256(template.encode()).hexdigest()[:16],
@@ -84,46 +82,10 @@ def check_same_target(expected: dict, found: dict, what: str) -> None:
             )
 
 
-TINY = {
-    LlamaConfig.model_type: dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    ),
-    # V2-Lite's structure shrunk: full-rank q, a dense layer 0 then MoE, untied lm_head, and YaRN
-    # with mscale ≠ mscale_all_dim so both its factors (on cos/sin and on the softmax) are ≠ 1.
-    ds.DeepseekV2Config.model_type: dict(
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        max_position_embeddings=4096,
-        rope_scaling=YarnScaling(4.0, 1024, mscale=1.0, mscale_all_dim=0.707),
-    ),
-}
-
-
 def random_hf_weights(cfg: TargetConfig, seed: int) -> dict[str, torch.Tensor]:
     """Random weights of `cfg`'s kind under Hugging Face names."""
-    if cfg.model_type == ds.DeepseekV2Config.model_type:
-        return ds.hf_state_dict(ds.random_deepseek_v2(cfg, seed=seed))
-    return hf_state_dict(random_llama(cfg, seed=seed))
+    kind = KINDS[cfg.model_type]
+    return kind.hf_state_dict(kind.random(cfg, seed=seed))
 
 
 def write_random_target(
@@ -138,7 +100,7 @@ def write_random_target(
         vocab_size=base.vocab_size,
         bos_token_id=base.bos_token_id,
         eos_token_ids=base.eos_token_ids,
-        **{**TINY[kind], **shape},
+        **{**KINDS[kind].tiny, **shape},
     )
     save_file(random_hf_weights(cfg, seed), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):

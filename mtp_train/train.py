@@ -14,6 +14,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -21,22 +22,22 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from inference_ref.target import frozen_target_tensors, read_target_config
+from inference_ref.target import frozen_target_tensors
 from mtp_train import checkpoint
 from mtp_train.batching import DraftBatch, MicroBatchPlan, collate, prefetched
 from mtp_train.config import ModelConfig, RunConfig, TrainConfig
 from mtp_train.heads import HeadSpec, MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.progress import Progress
+from mtp_train.run import Run, Target, resolve_run
 from mtp_train.store import Store
-from mtp_train.targets import model_dtype, resolve_target, target_identity
 from mtp_train.validate import DuringTraining
 
 
-def build_head(model: ModelConfig, target_dir: Path, frozen_dtype: torch.dtype) -> MTPHead:
+def build_head(model: ModelConfig, target: Target, frozen_dtype: torch.dtype) -> MTPHead:
     """A fresh head on the target's frozen embeddings, final norm and lm_head (read by name only)."""
-    frozen = {k: v.to(frozen_dtype) for k, v in frozen_target_tensors(target_dir).items()}
-    return MTPHead(HeadSpec(model.variant, read_target_config(target_dir), model.head_mlp), frozen)
+    frozen = {k: v.to(frozen_dtype) for k, v in frozen_target_tensors(target.dir).items()}
+    return MTPHead(HeadSpec(model.variant, target.config, model.head_mlp), frozen)
 
 
 def check_store(store: Store, head: MTPHead, identity: dict) -> None:
@@ -92,20 +93,24 @@ def micro_batches(acc: Accelerator, store: Store, tc: TrainConfig, start: int) -
     return prefetched(load, keys, depth=3, workers=2)
 
 
-def train(cfg: RunConfig) -> Path:
-    """Run (or resume) training; returns the directory of the final exported head."""
-    tc = cfg.train
-    # cpu=True without CUDA: otherwise accelerate ignores torchrun's ranks on a CPU-only host.
-    acc = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available())
-    torch.manual_seed(tc.seed)
-    out_dir = Path(tc.out_dir)
-    target_dir = resolve_target(cfg.model.target)
-    identity = target_identity(target_dir)
-    dtype = model_dtype(cfg.model.dtype, acc.device)
+@dataclass
+class Training:
+    """What the step loop works on, built by `set_up`."""
 
-    store = Store(tc.store_dir)
-    head = build_head(cfg.model, target_dir, dtype)
-    check_store(store, head, identity)
+    acc: Accelerator
+    objective: torch.nn.Module
+    """The head inside its loss (`DraftObjective`), prepared by accelerate (DeepSpeed when configured)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    tc: TrainConfig
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return next(self.acc.unwrap_model(self.objective).head.parameters()).dtype
+
+
+def prepare_training(acc: Accelerator, head: MTPHead, tc: TrainConfig) -> Training:
+    """The objective, AdamW and its warmup-cosine schedule around `head`, prepared by accelerate."""
     objective = DraftObjective(head, LossWeights(tc.w_p, tc.w_h), tc.loss_chunk_logits, tc.unroll_decay)
     optimizer = torch.optim.AdamW(
         head.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
@@ -116,54 +121,95 @@ def train(cfg: RunConfig) -> Path:
     )
     configure_deepspeed(acc, tc)
     objective, optimizer = acc.prepare(objective, optimizer)
+    return Training(acc, objective, optimizer, scheduler, tc)
 
+
+def train_step(t: Training, batches: Iterator[DraftBatch]) -> tuple[list, torch.Tensor, float]:
+    """One optimizer step over `grad_accum` micro-batches. Returns each micro-batch's (loss,
+    metrics, tokens), the gradient norm, and the seconds spent waiting for the loader."""
+    stats, waited, grad_norm = [], 0.0, None
+    for _ in range(t.tc.grad_accum):
+        asked = time.perf_counter()
+        batch = next(batches)
+        waited += time.perf_counter() - asked
+        batch = batch.to(t.acc.device, t.param_dtype)
+        with t.acc.accumulate(t.objective):
+            loss, metrics = t.objective(batch)
+            t.acc.backward(loss)
+            if t.acc.sync_gradients:
+                grad_norm = t.acc.clip_grad_norm_(t.objective.parameters(), t.tc.grad_clip)
+            t.optimizer.step()
+            t.optimizer.zero_grad()
+        stats.append((loss.detach(), metrics, batch.tokens))
+    t.scheduler.step()
+    return stats, grad_norm, waited
+
+
+def set_up(cfg: RunConfig) -> tuple[Training, Run, Store, int]:
+    """Resolve the run, open and check the store, build the head and its training state, and
+    resume from the latest checkpoint. Returns the training state, the run, the store and the
+    step to start from."""
+    tc = cfg.train
+    # cpu=True without CUDA: otherwise accelerate ignores torchrun's ranks on a CPU-only host.
+    acc = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available())
+    torch.manual_seed(tc.seed)
+    run = resolve_run(cfg.model, device=acc.device)
+    store = Store(tc.store_dir)
+    head = build_head(cfg.model, run.target, run.dtype)
+    check_store(store, head, run.target.identity)
+    t = prepare_training(acc, head, tc)
     start = 0
-    last = checkpoint.latest(out_dir) if tc.resume else None
+    last = checkpoint.latest(Path(tc.out_dir)) if tc.resume else None
     if last is not None:
-        start = checkpoint.load(acc, last, objective, optimizer, scheduler)
+        start = checkpoint.load(acc, last, t.objective, t.optimizer, t.scheduler)
         acc.print(f"resumed from {last} at step {start}")
+    return t, run, store, start
 
-    batches = micro_batches(acc, store, tc, start)
-    progress = Progress(acc, cfg, total_steps=tc.steps, start_step=start)
-    param_dtype = next(acc.unwrap_model(objective).head.parameters()).dtype
-    validator = None  # built at the first validation (it loads the target once)
+
+def train(cfg: RunConfig) -> Path:
+    """Run (or resume) training; returns the directory of the final exported head."""
+    tc, out_dir = cfg.train, Path(cfg.train.out_dir)
+    t, run, store, start = set_up(cfg)
+    batches = micro_batches(t.acc, store, tc, start)
+    progress = Progress(t.acc, cfg, total_steps=tc.steps, start_step=start)
+    hooks = Hooks(cfg, t, run)
     for step in range(start, tc.steps):
-        stats, waited = [], 0.0
-        for _ in range(tc.grad_accum):
-            asked = time.perf_counter()
-            batch = next(batches)
-            waited += time.perf_counter() - asked
-            batch = batch.to(acc.device, param_dtype)
-            with acc.accumulate(objective):
-                loss, metrics = objective(batch)
-                acc.backward(loss)
-                if acc.sync_gradients:
-                    grad_norm = acc.clip_grad_norm_(objective.parameters(), tc.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad()
-            stats.append((loss.detach(), metrics, batch.tokens))
-        scheduler.step()
-        progress.step(step + 1, stats, grad_norm, scheduler.get_last_lr()[0], waited)
-        done = step + 1
-        if tc.save_every and (done % tc.save_every == 0 or done == tc.steps):
-            checkpoint.save(acc, out_dir, done, objective, optimizer, scheduler)
-        if tc.export_every and done % tc.export_every == 0 and done != tc.steps:
-            export_head(acc, objective, out_dir / f"head-step{done:07d}", identity, cfg, done)
-        spec = done in tc.spec_validate_at
-        if spec or (tc.validate_every and done % tc.validate_every == 0):
-            head_dir = export_head(acc, objective, out_dir / "head-latest", identity, cfg, done)
-            rank, world = acc.process_index, acc.num_processes
-            validator = validator or DuringTraining(cfg, target_dir, acc.device, dtype, rank, world)
-            figures = validate_in_job(acc, validator, head_dir, spec)
-            if acc.is_main_process:
-                progress.log_validation(done, figures)
-    head_dir = export_head(acc, objective, out_dir / "head", identity, cfg, tc.steps)
-    if acc.is_main_process:
+        stats, grad_norm, waited = train_step(t, batches)
+        progress.step(step + 1, stats, grad_norm, t.scheduler.get_last_lr()[0], waited)
+        hooks.after_step(step + 1, progress)
+    head_dir = export_head(t.acc, t.objective, out_dir / "head", run.target.identity, cfg, tc.steps)
+    if t.acc.is_main_process:
         (out_dir / "train_summary.json").write_text(
             json.dumps({"steps": tc.steps, **progress.summary()}, indent=2)
         )
     progress.close()
     return head_dir
+
+
+class Hooks:
+    """What runs between optimizer steps: checkpoints, intermediate exports and in-job validation."""
+
+    def __init__(self, cfg: RunConfig, t: Training, run: Run):
+        self.cfg, self.t, self.run = cfg, t, run
+        self.out_dir = Path(cfg.train.out_dir)
+        self.validator: DuringTraining | None = (
+            None  # built at the first validation (it loads the target once)
+        )
+
+    def after_step(self, done: int, progress: Progress) -> None:
+        tc, t, identity = self.cfg.train, self.t, self.run.target.identity
+        if tc.save_every and (done % tc.save_every == 0 or done == tc.steps):
+            checkpoint.save(t.acc, self.out_dir, done, t.objective, t.optimizer, t.scheduler)
+        if tc.export_every and done % tc.export_every == 0 and done != tc.steps:
+            export_head(t.acc, t.objective, self.out_dir / f"head-step{done:07d}", identity, self.cfg, done)
+        spec = done in tc.spec_validate_at
+        if spec or (tc.validate_every and done % tc.validate_every == 0):
+            head_dir = export_head(t.acc, t.objective, self.out_dir / "head-latest", identity, self.cfg, done)
+            rank, world = t.acc.process_index, t.acc.num_processes
+            self.validator = self.validator or DuringTraining(self.cfg, self.run, rank, world)
+            figures = validate_in_job(t.acc, self.validator, head_dir, spec)
+            if t.acc.is_main_process:
+                progress.log_validation(done, figures)
 
 
 def validate_in_job(acc: Accelerator, validator: DuringTraining, head_dir: Path, spec: bool) -> dict:

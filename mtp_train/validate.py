@@ -6,8 +6,9 @@ Two measurements, both on the evaluation prompts (MT-bench by default, every tur
   temperature: per-position acceptance, mean accepted length τ, the draft/target time split, and
   (greedy) whether the output equals target-only greedy output;
 - the teacher-forced loss and top-1 on the target's own answers, computed twice: by the training
-  module on states from the precompute path rounded to the store's dtype, and by the inference
-  draft on states from the target's KV-cache path. Their difference is `parity_gap`.
+  module on states from the precompute path (rounded to bf16 on CUDA, as a bf16 store holds them;
+  fp32 on CPU, see `rounding_dtype`), and by the inference draft on states from the target's
+  KV-cache path. Their difference is `parity_gap`.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.draft import MTPDraft, check_head_fits_target, load_draft
 from inference_ref.generate import generate, prefill
 from inference_ref.speculative import SpecStats, speculative_generate
-from inference_ref.target import TargetModel, load_target, read_target_config
+from inference_ref.target import TargetModel, load_target
 from mtp_train.batching import align_sample, collate
 from mtp_train.config import RunConfig
-from mtp_train.data import Conversation, Prompt, Sample, encode, load_prompts, prompt_ids
+from mtp_train.data import Conversation, Prompt, Sample, encode, load_prompts, load_samples, prompt_ids
 from mtp_train.export import load_head
 from mtp_train.heads import MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
-from mtp_train.targets import check_same_target, default_device, model_dtype, resolve_target, target_identity
+from mtp_train.run import Run, resolve_run
+from mtp_train.targets import check_same_target
 
 
 @dataclass
@@ -45,12 +47,12 @@ class Evaluator:
     eos: list[int]
 
     @classmethod
-    def load(cls, target_dir: Path, head_dir: Path, device, dtype, compile: bool = False) -> Evaluator:
+    def load(cls, run: Run, head_dir: Path, compile: bool = False) -> Evaluator:
         config = json.loads((Path(head_dir) / "config.json").read_text())
-        check_head_fits_target(config, read_target_config(target_dir))  # before loading the target
-        check_same_target(target_identity(target_dir), config["target"], f"head {head_dir}")
-        target = load_target(target_dir, device, dtype, compile)
-        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        check_head_fits_target(config, run.target.config)  # before loading the target
+        check_same_target(run.target.identity, config["target"], f"head {head_dir}")
+        target = load_target(run.target.dir, run.device, run.dtype, compile)
+        tokenizer = AutoTokenizer.from_pretrained(str(run.target.dir))
         eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
         return cls(target, load_draft(head_dir, target), tokenizer, eos)
 
@@ -183,6 +185,13 @@ def inference_path(ev: Evaluator, samples: list[Sample]):
     return {"ce": ce / max(count, 1), "top1": top1 / max(count, 1), "positions": int(count)}
 
 
+def rounding_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the trainer path's states are rounded to: bf16 on CUDA, as the store holds them
+    for training (an fp8 store's extra rounding is not reproduced), and none (fp32) on CPU, where
+    the parity tests compare the two code paths alone."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def teacher_forced(
     ev: Evaluator, head: MTPHead, samples: list[Sample], store_dtype, chunk_logits: int
 ) -> dict:
@@ -199,20 +208,27 @@ def samples_of(ev: Evaluator, dialogs: list[list[dict]], limit: int, max_len: in
     ]
 
 
+def holdout_samples(cfg: RunConfig, ev: Evaluator) -> list[Sample]:
+    """The teacher-forced text when the training data sets some aside (`data.holdout`): the first
+    `validate.teacher_forced_samples` held-out records. Empty otherwise: the text is then the
+    target's own answers to the evaluation prompts."""
+    if not cfg.data.holdout:
+        return []
+    return load_samples(cfg.data, ev.tokenizer, split="holdout")[0][: cfg.validate.teacher_forced_samples]
+
+
 # --- the report ----------------------------------------------------------------------------------
 
 
 def run_validation(cfg: RunConfig) -> dict:
     vc = cfg.validate
-    device = default_device()
-    dtype = model_dtype(vc.dtype, device)
-    target_dir = resolve_target(cfg.model.target)
-    ev = Evaluator.load(target_dir, Path(vc.head), device, dtype, vc.compile)
+    run = resolve_run(cfg.model, vc.dtype)
+    ev = Evaluator.load(run, Path(vc.head), vc.compile)
     prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)
     baseline, base_dialogs, base_tokens = target_only_pass(ev, prompts, vc)
     report = {
         "head": str(vc.head),
-        "target": str(target_dir),
+        "target": str(run.target.dir),
         "eval_files": list(vc.eval_files),
         "prompts": len(prompts),
         "turns": sum(len(p.turns) for p in prompts),
@@ -226,18 +242,20 @@ def run_validation(cfg: RunConfig) -> dict:
         runs = report["speculative"][name] = {}
         for k in vc.chain_lengths:
             stats, timing, _, tokens = speculative_pass(ev, prompts, k, temperature, vc, vc.seed)
-            run = speculative_report(stats, timing)
+            figures = speculative_report(stats, timing)
             if temperature == 0:
-                run["identical_to_target_greedy"] = tokens == base_tokens
+                figures["identical_to_target_greedy"] = tokens == base_tokens
                 # in bf16 near-ties can part the texts (see validate.dtype): the share that did not
                 same = sum(a == b for a, b in zip(tokens, base_tokens))
-                run["identical_answers"] = same / max(1, len(base_tokens))
-            run["speedup_vs_target_only"] = run["tokens_per_s"] / baseline["tokens_per_s"]
-            runs[f"k={k}"] = run
-    head = load_head(vc.head, target_dir).to(device=device, dtype=dtype)
-    samples = samples_of(ev, base_dialogs, vc.teacher_forced_samples, cfg.data.max_seq_len)
-    store_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+                figures["identical_answers"] = same / max(1, len(base_tokens))
+            figures["speedup_vs_target_only"] = figures["tokens_per_s"] / baseline["tokens_per_s"]
+            runs[f"k={k}"] = figures
+    head = load_head(vc.head, run.target).to(device=run.device, dtype=run.dtype)
+    held = holdout_samples(cfg, ev)
+    samples = held or samples_of(ev, base_dialogs, vc.teacher_forced_samples, cfg.data.max_seq_len)
+    store_dtype = rounding_dtype(run.device)
     report["teacher_forced"] = teacher_forced(ev, head, samples, store_dtype, cfg.train.loss_chunk_logits)
+    report["teacher_forced"]["text"] = "data.holdout" if held else "target answers to eval_files"
     write_report(report, Path(vc.report))
     return report
 
@@ -252,8 +270,8 @@ class DuringTraining:
     adds across processes (`figures` turns them into rates): no process waits while another
     validates, and the work is split N ways. Each process loads the target for this."""
 
-    def __init__(self, cfg: RunConfig, target_dir: Path, device, dtype, rank: int = 0, world: int = 1):
-        self.cfg, self.target_dir, self.device, self.dtype = cfg, target_dir, device, dtype
+    def __init__(self, cfg: RunConfig, run: Run, rank: int = 0, world: int = 1):
+        self.cfg, self.run, self.rank, self.world = cfg, run, rank, world
         self.ev: Evaluator | None = None
         vc = cfg.validate
         self.prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)[rank::world]
@@ -276,15 +294,16 @@ class DuringTraining:
     def _load(self, head_dir: Path) -> None:
         vc = self.cfg.validate
         if self.ev is None:
-            self.ev = Evaluator.load(self.target_dir, head_dir, self.device, self.dtype, vc.compile)
+            self.ev = Evaluator.load(self.run, head_dir, vc.compile)
             _, dialogs, _ = target_only_pass(self.ev, self.prompts, vc)
-            self.samples = samples_of(self.ev, dialogs, self.tf_limit, self.cfg.data.max_seq_len)
+            held = holdout_samples(self.cfg, self.ev)[self.rank :: self.world]
+            self.samples = held or samples_of(self.ev, dialogs, self.tf_limit, self.cfg.data.max_seq_len)
         else:
             self.ev.draft = load_draft(head_dir, self.ev.target)
 
     def _teacher_forced_sums(self, head_dir: Path) -> tuple[PathSums, PathSums]:
-        head = load_head(head_dir, self.target_dir).to(device=self.device, dtype=self.dtype)
-        store_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        head = load_head(head_dir, self.run.target).to(device=self.run.device, dtype=self.run.dtype)
+        store_dtype = rounding_dtype(self.run.device)
         tf = teacher_forced(self.ev, head, self.samples, store_dtype, self.cfg.train.loss_chunk_logits)
         return PathSums.of(tf["trainer"]), PathSums.of(tf["inference"])
 

@@ -24,18 +24,11 @@ from inference_ref.models.deepseek_v2 import DeepseekV2Config, YarnScaling, load
 from inference_ref.models.deepseek_v2 import moe as moe_module
 from inference_ref.models.llama import LlamaConfig
 from inference_ref.speculative import speculative_generate
+from tiny import tiny_deepseek
 
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
+# The registry's tiny shape with more layers and experts, and YaRN past the test sequences.
+VARIED = dict(
     num_hidden_layers=3,
-    num_attention_heads=4,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
     n_routed_experts=8,
     num_experts_per_tok=3,
     n_shared_experts=2,
@@ -50,10 +43,10 @@ TINY = dict(
     eos_token_ids=(2,),
 )
 CONFIGS = {
-    "lite": DeepseekV2Config(**TINY),
+    "lite": tiny_deepseek(**VARIED),
     # DeepSeek-V2 (full) options: low-rank q, group-limited routing, scaled routed experts.
-    "q-lora-group-limited": DeepseekV2Config(
-        **TINY,
+    "q-lora-group-limited": tiny_deepseek(
+        **VARIED,
         q_lora_rank=24,
         topk_method="group_limited_greedy",
         n_group=4,

@@ -12,16 +12,9 @@ from mtp_train.batching import MicroBatchPlan, align_sample, collate
 from mtp_train.head_attention import Segments, head_attention
 from mtp_train.heads import HeadSpec, MTPHead
 from mtp_train.losses import DraftObjective, LossWeights, draft_loss, reference_loss
+from tiny import tiny_llama
 
-CFG = LlamaConfig(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+CFG = tiny_llama(vocab_size=97, hidden_size=32, intermediate_size=64, head_dim=8, tie_word_embeddings=False)
 
 
 def frozen(cfg: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:

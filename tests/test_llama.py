@@ -13,7 +13,6 @@ from inference_ref import causal_lm
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.generate import generate, right_pad
 from inference_ref.models.llama import (
-    LlamaConfig,
     LlamaModel,
     RopeScaling,
     hf_state_dict,
@@ -21,20 +20,22 @@ from inference_ref.models.llama import (
     random_llama,
 )
 from mtp_train.demo_target import smollm2_gguf
+from tiny import tiny_llama
 
 TEXT = (
     "The Eiffel Tower was built for the 1889 World's Fair in Paris. At first many artists "
     "criticised its design, but it soon became a symbol of France, visited by millions every year."
 )
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_attention_heads=4, head_dim=16)
+TINY = dict(vocab_size=512, intermediate_size=160)
 TINY_CONFIGS = {
-    "gqa-tied": LlamaConfig(**TINY, num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True),
-    "mha-untied": LlamaConfig(**TINY, num_hidden_layers=2, num_key_value_heads=4),
+    "gqa-tied": tiny_llama(**TINY),
+    "mha-untied": tiny_llama(**TINY, num_key_value_heads=4, tie_word_embeddings=False),
     # original_max_position_embeddings far below the test's sequence length, so every band of the
     # llama3 scaling (divided, smoothed, kept) is exercised.
-    "gqa-llama3-rope": LlamaConfig(
+    "gqa-llama3-rope": tiny_llama(
         **TINY,
+        tie_word_embeddings=False,
         num_hidden_layers=3,
         num_key_value_heads=1,
         rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=32),

@@ -17,10 +17,11 @@ from inference_ref import speculative
 from inference_ref.causal_lm import cu_seqlens_of, packed_positions
 from inference_ref.draft import MTPDraft, load_draft
 from inference_ref.generate import at_positions, generate
-from inference_ref.models.llama import LlamaConfig, LlamaModel, load_llama, random_llama
+from inference_ref.models.llama import LlamaModel, load_llama, random_llama
 from inference_ref.speculative import speculative_generate
 from mtp_train.head_attention import Segments
 from mtp_train.heads import HeadSpec, MTPHead
+from tiny import tiny_llama
 
 VARIANTS = ["rmsnorm-restored", "eagle1"]
 
@@ -30,14 +31,8 @@ VARIANTS = ["rmsnorm-restored", "eagle1"]
 def small_target(context: float = 0.03, seed: int = 0) -> LlamaModel:
     """A 64-token Llama that is mostly a bigram model: with large embeddings and small attention and
     MLP outputs (scale `context`), the next token is mostly a function of the current one."""
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
+    cfg = tiny_llama(
+        vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8, tie_word_embeddings=False
     )
     target = random_llama(cfg, seed=seed)
     with torch.no_grad():

@@ -18,6 +18,7 @@ import mtp_train.config  # noqa: F401  (registers the schema)
 from mtp_train.precompute import run_precompute
 from mtp_train.targets import write_random_target
 from mtp_train.train import train
+from tiny import assert_tau_consistent
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 GSM8K = Path(__file__).parent / "data" / "gsm8k_64.jsonl"
@@ -189,5 +190,10 @@ def test_validation_runs_inside_training(tiny_target, tiny_store, tmp_path):
     validations = {r["step"]: r for r in rows if "val/loss" in r}
     assert sorted(validations) == [3, 6]
     assert validations[3]["val/parity_gap"] < 1e-3 and "val/tau_k2" not in validations[3]
-    assert 1.0 <= validations[6]["val/tau_k2"] <= 3.0
+    v = validations[6]
+    chain = {
+        "mean_accepted_len": v["val/tau_k2"],
+        "accept_rate": [v["val/accept_k2_pos1"], v["val/accept_k2_pos2"]],
+    }
+    assert_tau_consistent(chain, k=2)
     assert (run / "train" / "head-latest" / "head.safetensors").exists()

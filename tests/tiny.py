@@ -1,0 +1,34 @@
+"""The tests' shared tiny configs (the registry's debug shapes, varied where a test needs it) and
+shared assertions."""
+
+from __future__ import annotations
+
+import math
+
+from inference_ref.models import KINDS
+from inference_ref.models.deepseek_v2 import DeepseekV2Config
+from inference_ref.models.llama import LlamaConfig
+
+
+def tiny_llama(**changes) -> LlamaConfig:
+    """The registry's tiny Llama shape (vocab 256 unless changed), with `changes`."""
+    return LlamaConfig(**{"vocab_size": 256, **KINDS["llama"].tiny, **changes})
+
+
+def tiny_deepseek(**changes) -> DeepseekV2Config:
+    """The registry's tiny DeepSeek-V2 shape (vocab 256 unless changed), with `changes`."""
+    return DeepseekV2Config(**{"vocab_size": 256, **KINDS["deepseek_v2"].tiny, **changes})
+
+
+def assert_tau_consistent(run: dict, k: int) -> None:
+    """τ of a speculative report (`run`: one chain length's figures) against its acceptance rates:
+    every verify emits 1 + the accepted tokens, and P(token j accepted) is the product of the
+    conditional rates up to j, so τ = 1 + Σ_j Π_{i≤j} accept_rate[i] exactly. Also 1 ≤ τ ≤ k + 1."""
+    rates = [0.0 if math.isnan(r) else r for r in run["accept_rate"]]
+    assert len(rates) == k
+    expected, reach = 1.0, 1.0
+    for r in rates:
+        reach *= r
+        expected += reach
+    assert math.isclose(run["mean_accepted_len"], expected, rel_tol=1e-9), (run["mean_accepted_len"], rates)
+    assert 1.0 <= run["mean_accepted_len"] <= k + 1
