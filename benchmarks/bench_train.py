@@ -11,6 +11,7 @@ sizes with the same tokens: chunking keeps it flat.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -18,9 +19,10 @@ from accelerate import Accelerator
 
 from benchmarks.common import linear_flops_per_token, shape, write_result
 from mtp_train.batching import collate
+from mtp_train.config import TrainConfig
 from mtp_train.heads import HeadSpec, MTPHead
-from mtp_train.losses import DraftObjective, LossWeights, draft_loss
-from mtp_train.train import configure_deepspeed
+from mtp_train.losses import LossWeights, draft_loss
+from mtp_train.train import prepare_training, train_step
 
 PEAK_BF16 = 797e12
 
@@ -62,19 +64,14 @@ def frozen(cfg, device):
     }
 
 
-class TrainConfigView:
-    grad_accum = 1
-    grad_clip = 1.0
-
-
 def throughput(args, acc: Accelerator) -> dict:
     cfg = shape(args.shape)
     head = MTPHead(HeadSpec(args.variant, cfg), frozen(cfg, acc.device))
-    objective = DraftObjective(head, LossWeights(), chunk_logits=args.chunk_logits, decay=0.8)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
-    configure_deepspeed(acc, TrainConfigView)
-    objective, optimizer = acc.prepare(objective, optimizer)
-    dtype = next(acc.unwrap_model(objective).head.parameters()).dtype
+    tc = TrainConfig(
+        steps=args.warmup + args.steps, unroll_steps=args.unroll, loss_chunk_logits=args.chunk_logits
+    )
+    t = prepare_training(acc, head, tc)  # the trainer's own set-up: objective, AdamW, schedule
+    dtype = t.param_dtype
     samples = synthetic_samples(cfg, args.tokens, args.sample_len)
     batch = collate(samples, steps=args.unroll).to(acc.device, dtype)
     started = time.perf_counter()
@@ -84,11 +81,10 @@ def throughput(args, acc: Accelerator) -> dict:
     load_seconds = time.perf_counter() - started
     torch.cuda.reset_peak_memory_stats()
 
+    batches = itertools.repeat(batch)
+
     def one_step():
-        loss, _ = objective(batch)
-        acc.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        train_step(t, batches)  # the trainer's own step
 
     for _ in range(args.warmup):
         one_step()
@@ -110,7 +106,7 @@ def throughput(args, acc: Accelerator) -> dict:
         "tflops_per_s": flops / seconds / 1e12,
         "mfu": flops / seconds / PEAK_BF16,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "head_parameters": sum(p.numel() for p in acc.unwrap_model(objective).head.parameters()),
+        "head_parameters": sum(p.numel() for p in acc.unwrap_model(t.objective).head.parameters()),
     }
 
 

@@ -6,7 +6,7 @@ Native format, one directory (the contract inference_ref/draft.py reads; docs/ex
     config.json        format, version, architecture, variant, mlp, dtype, sizes, the target's layer
                        config, what is shared with the target, the target's identity, training metadata
 
-    python -m mtp_train.export model=llama3_1_8b export.formats=[native,eagle1]
+    python -m mtp_train.export model=llama3_1_8b export.formats=[native]      # + eagle1 for model.variant=eagle1
 
 Every directory is written under a temporary name and renamed when complete, so a killed export
 leaves either the previous head or none, never half of one.
