@@ -264,6 +264,7 @@ def data_jobs(
         f"data.train_files=[{','.join(map(str, outputs))}]",
         "data.max_seq_len=2048",
         "precompute.tokens_per_batch=65536",
+        "precompute.aux=true",  # the eagle3 heads' auxiliary states; the others read the last layer's
     ]
     return regenerate, [Job("precompute", "mtp_train.precompute", precompute)]
 

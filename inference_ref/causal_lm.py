@@ -179,39 +179,63 @@ class CausalLM(nn.Module):
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits from pre-norm hidden states, in fp32."""
-        return self.lm_head(self.norm(hidden)).float()
+        """Logits from pre-norm hidden states, in fp32 (of the last layer's: the first H columns of
+        states widened by `capture`)."""
+        return self.lm_head(self.norm(hidden[..., : self.cfg.hidden_size])).float()
 
     @torch.inference_mode()
     def forward_packed(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, logits_at: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        logits_at: torch.Tensor | None = None,
+        capture: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids [T] of B packed sequences → (hidden [T, H] before the final norm,
-        logits [len(logits_at), V] for the flat positions asked for, or None)."""
+        logits [len(logits_at), V] for the flat positions asked for, or None). With `capture`
+        (layer ids), hidden is widened to [T, (1 + n)·H]: see `widened`."""
         positions = packed_positions(cu_seqlens, input_ids.shape[0])
         max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.layers:
+        entering = {}  # only the captured states are kept: the others are freed as the forward goes
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                entering[i] = x
             x = self.packed_layer(layer, x, cos, sin, cu_seqlens, max_len)
         logits = None if logits_at is None else self.logits(x[logits_at])
-        return x, logits
+        return widened(x, entering, capture), logits
 
     def new_cache(self, batch: int, max_len: int):
         w = self.embed_tokens.weight
         return self.cache_type.empty(self.cfg, len(self.layers), batch, max_len, w.device, w.dtype)
 
     @torch.inference_mode()
-    def forward_cached(self, input_ids: torch.Tensor, cache, static: bool = False) -> torch.Tensor:
+    def forward_cached(
+        self, input_ids: torch.Tensor, cache, static: bool = False, capture: tuple[int, ...] = ()
+    ) -> torch.Tensor:
         """input_ids [B, S] placed after each row's committed cache entries → hidden [B, S, H]
-        (before the final norm). Does not commit: the caller advances `cache.lengths`
-        (in place, so that a captured graph sees it)."""
+        (before the final norm; widened by `capture`, see `widened`). Does not commit: the caller
+        advances `cache.lengths` (in place, so that a captured graph sees it)."""
         slots, mask = cache.slots(input_ids.shape[1], static)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(slots, x.dtype)
+        entering = {}
         for i, layer in enumerate(self.layers):
+            if i in capture:
+                entering[i] = x
             x = self.cached_layer(layer, x, cos, sin, *cache.layer(i), slots, mask)
-        return x
+        return widened(x, entering, capture)
+
+
+def widened(last: torch.Tensor, entering: dict[int, torch.Tensor], capture: tuple[int, ...]) -> torch.Tensor:
+    """The last layer's state, then the states named by `capture` concatenated along features:
+    id k is the residual stream entering layer k (0: the embeddings; the number of layers: the last
+    layer's output), Hugging Face's `hidden_states[k]` before any final norm, as vLLM and the EAGLE
+    reference number EAGLE-3's auxiliary layers. The first H columns stay the last layer's state."""
+    if not capture:
+        return last
+    return torch.cat([last] + [entering.get(k, last) for k in capture], -1)
 
 
 def packed_layer_forward(layer: nn.Module, x, cos, sin, cu_seqlens, max_len: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ final norm and lm_head are the target's unless the file stores `embed_tokens.wei
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -44,6 +45,11 @@ from inference_ref.target import Cache, TargetModel
 class MTPDraft(nn.Module):
     """One-layer draft head sharing embeddings, final norm and lm_head with its target."""
 
+    capture: tuple[int, ...] = ()
+    """The target layers whose entering states the draft reads beside the last layer's (none)."""
+    draft_ids: torch.Tensor | None = None
+    """The target ids its lm_head scores, where that is a draft vocabulary (none: all of them)."""
+
     def __init__(self, spec: HeadSpec):
         super().__init__()
         self.spec = spec
@@ -63,7 +69,7 @@ class MTPDraft(nn.Module):
         weight = target.embed_tokens.weight
         with torch.device("meta"):
             draft = cls(spec)
-        state = placed(fuse_head_state(tensors, spec), weight.device, weight.dtype)
+        state = placed(draft.fuse(tensors), weight.device, weight.dtype)
         draft.load_state_dict(state, strict=True, assign=True)
         draft.rotary = type(draft.rotary)(spec.target).to(
             weight.device
@@ -82,6 +88,10 @@ class MTPDraft(nn.Module):
         if "lm_head.weight" in tensors:
             self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
             self.lm_head.weight = nn.Parameter(tensors["lm_head.weight"].to(weight.device, weight.dtype))
+
+    def fuse(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Native tensors → this module's state dict (`fuse_head_state`)."""
+        return fuse_head_state(tensors, self.spec)
 
     def new_cache(self, batch: int, max_len: int) -> Cache:
         w = self.fc.weight
@@ -143,4 +153,8 @@ def load_draft(path: str | Path, target: TargetModel) -> MTPDraft:
     for name, shared in config.get("shared_with_target", {}).items():
         if not shared and f"{name}.weight" not in tensors:
             raise ValueError(f"{path}: config.json says {name} is not shared, but head.safetensors lacks it")
-    return MTPDraft.from_tensors(spec, tensors, target)
+    draft_class = importlib.import_module(spec.kind.serving).DRAFT  # the head kind's serving module
+    return draft_class.from_tensors(spec, tensors, target)
+
+
+DRAFT = MTPDraft  # what this module serves, for `HEAD_KINDS[...].serving`

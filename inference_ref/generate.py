@@ -50,14 +50,17 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     return draw(probabilities(logits, temperature), generator)
 
 
-def prefill(model: TargetModel, prompts: list[list[int]], max_len: int) -> tuple[Cache, torch.Tensor]:
+def prefill(
+    model: TargetModel, prompts: list[list[int]], max_len: int, capture: tuple[int, ...] = ()
+) -> tuple[Cache, torch.Tensor]:
     """Run all prompts as one right-padded forward from an empty cache and commit each row's prompt.
 
-    Returns the cache and the hidden states [B, S, H] (before the final norm)."""
+    Returns the cache and the hidden states [B, S, H] (before the final norm; widened by `capture`,
+    see `causal_lm.widened`)."""
     device = model.embed_tokens.weight.device
     ids, lengths = right_pad(prompts, device)
     cache = model.new_cache(len(prompts), max_len)
-    hidden = model.forward_cached(ids, cache)
+    hidden = model.forward_cached(ids, cache, capture=capture)
     cache.lengths = lengths
     return cache, hidden
 

@@ -10,8 +10,16 @@ rmsnorm-restored (default):
 eagle1 (ablation, the EAGLE paper's head):
     f = final_norm(h);  x = fc([embed(t_{i+1}); f_i]) with bias
     y = layer(x) without input_layernorm;  z = y;  logits = lm_head(y)
+eagle3 (EAGLE-3; Llama-kind targets):
+    g = fc([a_1; …; a_n]) (the target's states entering the `aux_layers`, no bias; chained steps: g = y)
+    y = g + attn([input_layernorm(embed(t_{i+1})); hidden_norm(g)]);  y += mlp(post_attention_layernorm(y))
+    z = norm(y);  logits = lm_head_d(z) over the draft vocabulary (`d2t`: draft id → target id offset)
 
 `layer` is one decoder layer of the target's kind (`inference_ref.models.KINDS`).
+
+States handed to a head are the target's last-layer states, pre final norm, [.., H]; a target
+asked to `capture` auxiliary layers widens them to [.., (1 + n)·H], the first H columns staying
+the last layer's (`causal_lm.widened`). Every head reads the columns it needs.
 """
 
 from __future__ import annotations
@@ -38,6 +46,12 @@ class HeadKind(NamedTuple):
     """enorm / hnorm on the inputs, the layer's input_layernorm and a final norm (else none of them)."""
     fc_bias: bool
     """Whether `fc` has a bias."""
+    reads_aux: bool
+    """Its first step reads the target's auxiliary layers' states (EAGLE-3), not the last layer's."""
+    feature_loss: bool
+    """Whether training regresses z to final_norm(h_{i+1}) (`train.w_h`); EAGLE-3 drops that term."""
+    target_kinds: tuple[str, ...] | None
+    """The target kinds it can be built for (None: every kind)."""
     training: str
     """The module that trains it."""
     serving: str
@@ -48,9 +62,35 @@ class HeadKind(NamedTuple):
 
 HEAD_KINDS: dict[str, HeadKind] = {
     "rmsnorm-restored": HeadKind(
-        True, False, "mtp_train.heads", "inference_ref.draft", ("native", "deepseek_mtp")
+        restored_norms=True,
+        fc_bias=False,
+        reads_aux=False,
+        feature_loss=True,
+        target_kinds=None,
+        training="mtp_train.heads.mtp",
+        serving="inference_ref.draft",
+        layouts=("native", "deepseek_mtp"),
     ),
-    "eagle1": HeadKind(False, True, "mtp_train.heads", "inference_ref.draft", ("native", "eagle1")),
+    "eagle1": HeadKind(
+        restored_norms=False,
+        fc_bias=True,
+        reads_aux=False,
+        feature_loss=True,
+        target_kinds=None,
+        training="mtp_train.heads.mtp",
+        serving="inference_ref.draft",
+        layouts=("native", "eagle1"),
+    ),
+    "eagle3": HeadKind(
+        restored_norms=True,
+        fc_bias=False,
+        reads_aux=True,
+        feature_loss=False,
+        target_kinds=("llama",),
+        training="mtp_train.heads.eagle3",
+        serving="inference_ref.eagle3",
+        layouts=("native", "eagle3", "speculators"),
+    ),
 }
 VARIANTS = tuple(HEAD_KINDS)
 
@@ -65,11 +105,32 @@ class HeadSpec:
     """The target's config: the head's layer is one layer of this shape and kind."""
     mlp: str = "dense"
     """The layer's MLP: `dense`, or `moe` (the target's MoE block, for kinds whose layers have experts)."""
+    aux_layers: tuple[int, ...] = ()
+    """eagle3: the target layers whose entering states `fc` fuses (`causal_lm.widened` numbering)."""
+    draft_vocab_size: int = 0
+    """eagle3: rows of its lm_head, the most frequent target tokens (0: the whole target vocabulary)."""
 
     def __post_init__(self):
         if self.variant not in HEAD_KINDS:
             raise ValueError(f"model.variant: {self.variant!r} is not one of {VARIANTS}")
+        kinds = self.kind.target_kinds
+        if kinds is not None and self.target.model_type not in kinds:
+            raise ValueError(
+                f"model.variant: {self.variant} heads are built for {kinds} targets (the engines' "
+                f"EAGLE-3 loaders), this target is {self.target.model_type}"
+            )
         check_mlp(self.mlp, self.target.model_type, "model.head_mlp")
+        if self.kind.reads_aux:
+            check_aux_layers(self.aux_layers, self.target.num_hidden_layers, "model.aux_layers")
+        if not 0 <= self.draft_vocab_size <= self.target.vocab_size:
+            raise ValueError(
+                f"model.draft_vocab_size: {self.draft_vocab_size} is not in 0 … {self.target.vocab_size}"
+            )
+
+    @property
+    def vocab(self) -> int:
+        """Rows of the head's lm_head: the draft vocabulary, or the target's."""
+        return self.draft_vocab_size or self.target.vocab_size
 
     @property
     def kind(self) -> HeadKind:
@@ -95,6 +156,11 @@ class HeadSpec:
             "hidden_size": self.target.hidden_size,
             "vocab_size": self.target.vocab_size,
             "layer_config": self.target.to_hf(),
+            **(
+                {"aux_layers": list(self.aux_layers), "draft_vocab_size": self.vocab}
+                if self.kind.reads_aux
+                else {}
+            ),
         }
 
     @classmethod
@@ -116,7 +182,9 @@ class HeadSpec:
             )
         mlp = config.get("mlp", "dense")
         check_mlp(mlp, target.model_type, f"{where}: mlp")
-        return cls(config["variant"], target, mlp)
+        vocab = config.get("draft_vocab_size", target.vocab_size)
+        draft_vocab = 0 if vocab == target.vocab_size else vocab
+        return cls(config["variant"], target, mlp, tuple(config.get("aux_layers", ())), draft_vocab)
 
 
 def architecture(model_type: str) -> str:
@@ -134,6 +202,21 @@ def check_mlp(mlp: str, kind: str, field: str) -> None:
         raise ValueError(
             f"{field}: {mlp!r} builds the target's MoE block, but this target is {kind}, "
             f"whose layers have no experts: use one of {options}"
+        )
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's auxiliary layers where none are configured: the states entering layers 2, L/2 and
+    L − 3, as vLLM (`get_eagle3_aux_hidden_state_layers` in vllm/model_executor/models/llama.py) and
+    the EAGLE reference capture them (docs/export.md cites the commits)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def check_aux_layers(layers: tuple[int, ...], num_layers: int, field: str) -> None:
+    if not layers or list(layers) != sorted(set(layers)) or not all(0 <= k <= num_layers for k in layers):
+        raise ValueError(
+            f"{field}: {list(layers)} must be increasing distinct layer ids in 0 … {num_layers} "
+            "(the states entering those layers; the default is 2, L/2, L − 3)"
         )
 
 
@@ -161,8 +244,15 @@ def check_head_fits_target(config: dict, target: Config, where: str = "head") ->
 def project(
     head, e: torch.Tensor, state: torch.Tensor, final_norm: Callable, from_target: bool
 ) -> torch.Tensor:
-    """fc's output from the next token's embedding `e` and `state`: the target's pre-norm h (an
-    entry made from the target) or the head's own y (a chained step)."""
+    """The layer's input from the next token's embedding `e` and `state`: the target's (maybe
+    widened) pre-norm states (an entry made from the target) or the head's own y (a chained step)."""
+    h = head.spec.target.hidden_size
+    if head.spec.kind.reads_aux:
+        # EAGLE-3: the layer gets [e; g] and normalizes each half itself (input_layernorm, hidden_norm).
+        g = head.fc(state[..., h:]) if from_target else state
+        return torch.cat([e, g], -1)
+    if from_target:
+        state = state[..., :h]
     if head.spec.restored:
         return head.fc(torch.cat([head.enorm(e), head.hnorm(state)], -1))
     # eagle1 reads features f = final_norm(h); its own y already lives in that space.

@@ -55,7 +55,12 @@ def init_random(model: torch.nn.Module) -> None:
 
 def placed(state: dict[str, torch.Tensor], device, dtype) -> dict[str, torch.Tensor]:
     """`state` on `device` in `dtype`, except a MoE router, which stays fp32 whatever the model's
-    dtype, as transformers keeps it: a bf16 gate flips near-tied expert choices."""
-    return {
-        k: v.to(device, torch.float32 if k.endswith("router.weight") else dtype) for k, v in state.items()
-    }
+    dtype, as transformers keeps it (a bf16 gate flips near-tied expert choices), and integer
+    tensors (an EAGLE-3 head's `d2t`), which keep theirs."""
+
+    def dtype_of(name: str, t: torch.Tensor) -> torch.dtype:
+        if not t.is_floating_point():
+            return t.dtype
+        return torch.float32 if name.endswith("router.weight") else dtype
+
+    return {k: v.to(device, dtype_of(k, v)) for k, v in state.items()}

@@ -102,7 +102,7 @@ def speculative_generate(
     max_len = max(len(p) for p in prompts) + max_new_tokens + 2 * k + 1
 
     with clock.time("target"):
-        target_cache, hidden = prefill(target, prompts, max_len)
+        target_cache, hidden = prefill(target, prompts, max_len, draft.capture)
         last = sample(last_logits(target, hidden, target_cache.lengths), temperature, generator)
     with clock.time("draft"):
         draft_cache, y = draft_prefill(draft, hidden, prompts, last, max_len)
@@ -156,7 +156,8 @@ class SpecStep:
         with clock.time("draft"):
             drafted, q = propose(draft, self.y, dc, self.k, self.temperature, self.generator, static)
         with clock.time("target"):
-            hidden = target.forward_cached(torch.cat([self.last[:, None], drafted], 1), tc, static)
+            ids = torch.cat([self.last[:, None], drafted], 1)
+            hidden = target.forward_cached(ids, tc, static, draft.capture)  # the states the draft reads too
             n_accepted, last = accept(drafted, target.logits(hidden), q, self.temperature, self.generator)
         # A row's new tokens: the accepted d_1 … d_n, then the target's token. They are also the
         # tokens that follow the newly committed positions, which the draft's refill reads.

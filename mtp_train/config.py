@@ -19,7 +19,14 @@ class ModelConfig:
     """Target checkpoint: a Hugging Face directory (Llama or DeepSeek-V2, by its config.json's
     `model_type`), a Llama `.gguf` file, or `smollm2-135m-instruct` (demo)."""
     variant: str = "rmsnorm-restored"
-    """Head architecture: `rmsnorm-restored` (default) or `eagle1` (the EAGLE paper's head, for ablations)."""
+    """Head architecture: `rmsnorm-restored` (default), `eagle1` (the EAGLE paper's head, for
+    ablations) or `eagle3` (EAGLE-3, Llama-kind targets; needs a store made with `precompute.aux`)."""
+    aux_layers: list[int] | None = None
+    """eagle3: the target layers whose entering states it fuses (id k = Hugging Face's
+    `hidden_states[k]`); None: 2, L/2, L − 3, the layers vLLM and SGLang capture by default."""
+    draft_vocab_size: int | None = None
+    """eagle3: the draft vocabulary, the most frequent target tokens of the training answers; None:
+    32,000 for target vocabularies of ≥ 100k, the whole vocabulary for smaller ones."""
     head_mlp: str = "dense"
     """MLP of the head's decoder layer on a DeepSeek-V2 target: `dense` (SwiGLU of the target's
     `intermediate_size`) or `moe` (the target's MoE block: router, routed and shared experts).
@@ -83,6 +90,9 @@ class PrecomputeConfig:
     three shards in host memory (≈ 6 GiB at hidden size 4096 in bf16)."""
     hidden_dtype: str = "bf16"
     """Stored hidden-state dtype: `bf16`, or `fp8` (e4m3 with a per-token scale)."""
+    aux: bool = False
+    """Also store the states entering `model.aux_layers` (what an eagle3 head fuses), beside the
+    last layer's: the store grows (1 + 3)× (disk estimate and check included)."""
     compile: bool = True
     """On CUDA, fuse each layer's elementwise chains with torch.compile (`CausalLM.compile_layers`):
     1.25× at the Llama-3.1-8B shape after a 5.9 s compile (docs/benchmarks.md). Ignored on CPU and

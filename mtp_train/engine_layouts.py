@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference_ref.head_spec import HeadSpec
 from inference_ref.models.llama import LlamaConfig
 
 Symbolic = dict[str, tuple[str, ...]]
@@ -113,11 +114,182 @@ def eagle1_export(tensors: Mapping[str, torch.Tensor], layer_config: dict, varia
         **layer_config,
         "architectures": ["LlamaForCausalLMEagle"],
         "num_hidden_layers": 1,
-        "bias": True,  # the EAGLE repo's key for the fc bias
+        # No "bias" key: SGLang's and vLLM's Llama decoder layer read `attention_bias or bias` as
+        # "q/k/v/o have biases" and would build biases the checkpoint lacks (EAGLE issue #141,
+        # vLLM #12831). SGLang's EAGLE-1 fc always has its bias; the EAGLE repo's loader reads a
+        # missing "bias" as true; `eagle_fc_bias` is vLLM's own name for it (renamed in PR #9580).
+        "attention_bias": False,
+        "mlp_bias": False,
+        "eagle_fc_bias": True,
         "torch_dtype": _dtype_name(tensors["fc.weight"].dtype),
     }
     table = resolve(EAGLE1_SGLANG, llama_dims(LlamaConfig.from_hf(layer_config)))
     return EngineExport(out, config, table)
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3 for Llama targets: one decoder layer whose q/k/v read 2H ([input_layernorm(embed);
+# hidden_norm(fc(aux))]), fc 3H → H without bias, a final norm and a draft-vocabulary lm_head.
+# Read from SGLang python/sglang/srt/models/llama_eagle3.py @ 03d5a7771f6082e7737a5f19cae7d1e863087013
+# (`LlamaForCausalLMEagle3`: module `midlayer`, fc `Linear(target_hidden_size * 3, H, bias=config.bias)`,
+# hot_token_id = d2t + arange: d2t holds offsets, t2d skipped; lm_head `ParallelLMHead(draft_vocab_size, H)`;
+# the residual is the pre-hidden_norm fc output), vLLM vllm/model_executor/models/llama_eagle3.py
+# @ 00bd1493b3e82d6c13c68ee8a0e1c5a96707e190 (`midlayer.` → `layers.0.`, d2t → draft_id_to_target_id,
+# fc `ReplicatedLinear(3 * target_hidden_size, H, bias=False)`, `norm_before_residual` read, default false)
+# and TensorRT-LLM tensorrt_llm/_torch/models/modeling_speculative.py @ 00679c66c3e38f6d2651ad0a5bef0f94d862e36c
+# (`Eagle3ForCausalLM`: `midlayer.*`; `layers.0.` also renamed to it; d2t int32 loaded from the file).
+# Auxiliary layer ids: vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` as "the state
+# entering layer k" (vllm/model_executor/models/llama.py @ e06c9ba2a6ea923a84add30f5dafaea126429b81
+# captures before layer idx), as this project numbers them; SGLang reads
+# `eagle_config.eagle_aux_hidden_state_layer_ids` and adds 1 (python/sglang/srt/models/llama.py
+# @ 00239548f1cd1a06ca145a5447a86738090a48f1: "for the ith layer, it takes the output of the (i-1)th
+# layer"), so that list is written one lower: both engines then capture the same states.
+EAGLE3_BLOCK: Symbolic = {
+    "self_attn.q_proj.weight": ("QD", "2H"),
+    "self_attn.k_proj.weight": ("KVD", "2H"),
+    "self_attn.v_proj.weight": ("KVD", "2H"),
+    "self_attn.o_proj.weight": ("H", "QD"),
+    "input_layernorm.weight": ("H",),
+    "hidden_norm.weight": ("H",),
+    "post_attention_layernorm.weight": ("H",),
+    "mlp.gate_proj.weight": ("I", "H"),
+    "mlp.up_proj.weight": ("I", "H"),
+    "mlp.down_proj.weight": ("H", "I"),
+}
+EAGLE3_OWN: Symbolic = {"fc.weight": ("H", "nH"), "norm.weight": ("H",), "lm_head.weight": ("Vd", "H")}
+EAGLE3_VOCAB: Symbolic = {"d2t": ("Vd",), "t2d": ("V",)}  # only with a draft vocabulary (Vd < V)
+
+
+def eagle3_dims(spec: HeadSpec) -> dict[str, int]:
+    return {
+        **llama_dims(spec.target),
+        "nH": len(spec.aux_layers) * spec.target.hidden_size,
+        "Vd": spec.vocab,
+    }
+
+
+def _require_eagle3(spec: HeadSpec, layout: str) -> None:
+    if not spec.kind.reads_aux:
+        raise LayoutUnsupported(
+            f"layout {layout}: holds EAGLE-3 heads (fc over the target's auxiliary layers, a 2H-input "
+            f"layer with hidden_norm); a {spec.variant} head has neither. Train model.variant=eagle3."
+        )
+    if not spec.aux_layers:
+        raise LayoutUnsupported(f"layout {layout}: the head records no auxiliary layers of its target")
+
+
+def eagle3_tensors(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, layer_prefix: str) -> dict:
+    """The head's tensors under EAGLE-3 checkpoint names (layer under `layer_prefix`); d2t/t2d only
+    with a draft vocabulary, as the EAGLE reference writes them (its loader deletes them otherwise)."""
+    out = {f"{layer_prefix}{n[len('layer.') :]}": t for n, t in tensors.items() if n.startswith("layer.")}
+    out.update({n: tensors[n] for n in ("fc.weight", "norm.weight", "lm_head.weight")})
+    if spec.draft_vocab_size:
+        d2t = tensors["d2t"].long()
+        t2d = torch.zeros(spec.target.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(len(d2t)) + d2t] = True
+        out.update(d2t=d2t, t2d=t2d)
+    return out
+
+
+def eagle3_table(spec: HeadSpec, layer_prefix: str, extra: Symbolic | None = None) -> Table:
+    symbolic = {**{layer_prefix + n: s for n, s in EAGLE3_BLOCK.items()}, **EAGLE3_OWN, **(extra or {})}
+    if spec.draft_vocab_size:
+        symbolic.update(EAGLE3_VOCAB)
+    return resolve(symbolic, eagle3_dims(spec))
+
+
+def eagle3_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: dict) -> EngineExport:
+    """The eagle3 head as SGLang / vLLM / TensorRT-LLM `LlamaForCausalLMEagle3` load it. The
+    embeddings are the target's in all three (not written)."""
+    _require_eagle3(spec, "eagle3")
+    t = spec.target
+    layer = {k: v for k, v in t.to_hf().items() if k not in ("bos_token_id", "eos_token_id")}
+    config = {
+        **layer,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "num_hidden_layers": 1,
+        "draft_vocab_size": spec.vocab,
+        "target_hidden_size": t.hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": list(spec.aux_layers),
+        "eagle_config": {
+            "use_aux_hidden_state": True,
+            "eagle_aux_hidden_state_layer_ids": [k - 1 for k in spec.aux_layers],
+        },
+        "torch_dtype": _dtype_name(tensors["fc.weight"].dtype),
+    }
+    return EngineExport(eagle3_tensors(tensors, spec, "midlayer."), config, eagle3_table(spec, "midlayer."))
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's speculators format (`speculators_model_type: eagle3`), as the `speculators` package 0.9.0
+# reads it (speculators/models/eagle3/config.py `Eagle3SpeculatorConfig`, core.py `Eagle3DraftModel`;
+# tests/test_speculators.py loads our export with it) and vLLM translates it
+# (vllm/transformers_utils/configs/speculators/algos.py @ cfb173ab8e1b8e44dd35f8b5188255b6a03e13ec
+# `update_eagle3`: draft_vocab_size, target_hidden_size, norm_before_residual (default TRUE when
+# absent, so it is always written), eagle_aux_hidden_state_layer_ids; base.py
+# @ 052316aeab2a1b2a9076518f20fe776052b947c9 requires speculators_config.proposal_methods[0].speculative_tokens
+# and speculators_config.verifier.name_or_path). The layer is `layers.0`; the embeddings are written
+# too: speculators 0.9.0 leaves them uninitialised when absent.
+SPECULATORS_EXTRA: Symbolic = {"embed_tokens.weight": ("V", "H")}
+SPECULATIVE_TOKENS = 3  # the proposal's default chain length, which the serving command can override
+
+
+def speculators_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: dict) -> EngineExport:
+    _require_eagle3(spec, "speculators")
+    t = spec.target
+    hf = t.to_hf()
+    layer = {
+        "model_type": "llama",
+        "vocab_size": t.vocab_size,
+        "hidden_size": t.hidden_size,
+        "intermediate_size": t.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": t.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": t.rms_norm_eps,
+        "max_position_embeddings": t.max_position_embeddings,
+        "rope_theta": t.rope_theta,
+        "rope_scaling": hf["rope_scaling"],
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+    config = {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "draft_vocab_size": spec.vocab,
+        "norm_before_residual": False,
+        "target_hidden_size": t.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(spec.aux_layers),
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": SPECULATIVE_TOKENS,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": {"name_or_path": identity.get("path"), "architectures": hf["architectures"]},
+        },
+        "transformer_layer_config": layer,
+        "torch_dtype": _dtype_name(tensors["fc.weight"].dtype),
+    }
+    out = eagle3_tensors(tensors, spec, "layers.0.")
+    out["embed_tokens.weight"] = tensors["embed_tokens.weight"]
+    return EngineExport(out, config, eagle3_table(spec, "layers.0.", SPECULATORS_EXTRA))
 
 
 def _require_llama(layer_config: dict, layout: str) -> None:
@@ -340,5 +512,14 @@ def deepseek_mtp_config(hf: Mapping, dense_mlp: bool) -> dict:
     return config
 
 
-Exporter = Callable[[Mapping[str, torch.Tensor], dict, str], EngineExport]
-LAYOUTS: dict[str, Exporter] = {"eagle1": eagle1_export, "deepseek_mtp": deepseek_mtp_export}
+Exporter = Callable[[Mapping[str, torch.Tensor], HeadSpec, dict], EngineExport]
+"""(the head's tensors under native names, shared ones included where the layout needs them; its
+spec; the target's identity) → the layout."""
+LAYOUTS: dict[str, Exporter] = {
+    "eagle1": lambda tensors, spec, identity: eagle1_export(tensors, spec.target.to_hf(), spec.variant),
+    "deepseek_mtp": lambda tensors, spec, identity: deepseek_mtp_export(
+        tensors, spec.target.to_hf(), spec.variant
+    ),
+    "eagle3": eagle3_export,
+    "speculators": speculators_export,
+}

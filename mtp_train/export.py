@@ -28,8 +28,8 @@ from safetensors.torch import load_file, save_file
 from inference_ref.head_spec import CONFIG, FORMAT, FORMAT_VERSION, WEIGHTS, HeadSpec, check_head_fits_target
 from inference_ref.target import TargetConfig, frozen_target_tensors
 from mtp_train.config import RunConfig  # noqa: F401  (registers the schema Hydra composes)
-from mtp_train.engine_layouts import LAYOUTS, Symbolic, check_layout, resolve
-from mtp_train.heads import MTPHead
+from mtp_train.engine_layouts import EAGLE3_BLOCK, LAYOUTS, Symbolic, check_layout, resolve
+from mtp_train.heads import MTPHead, build
 from mtp_train.heads.kinds import LAYER_KINDS
 from mtp_train.run import Target
 from mtp_train.targets import check_same_target
@@ -52,14 +52,18 @@ NATIVE_OWN: dict[str, Symbolic] = {
         "norm.weight": ("H",),
     },
     "eagle1": {"fc.weight": ("H", "2H"), "fc.bias": ("H",)},
+    "eagle3": {"fc.weight": ("H", "nH"), "norm.weight": ("H",), "d2t": ("Vd",)},
 }
-NATIVE_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "lm_head.weight": ("V", "H")}
+NATIVE_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "lm_head.weight": ("Vd", "H")}
 
 
 def native_table(spec: HeadSpec, store_shared: bool) -> dict[str, tuple[int, ...]]:
     """The native head.safetensors' names and shapes: the kind's own tensors, its decoder layer
     under `layer.` (from the target kind's training module), the shared ones where stored."""
     block, dims = LAYER_KINDS[spec.target.model_type].native_block(spec.target, spec.mlp)
+    if spec.kind.reads_aux:
+        block = EAGLE3_BLOCK
+    dims = {**dims, "Vd": spec.vocab, "nH": len(spec.aux_layers) * spec.target.hidden_size}
     symbolic = {
         **NATIVE_OWN[spec.variant],
         **{f"layer.{name}": shape for name, shape in block.items()},
@@ -90,7 +94,11 @@ def head_tensors(
     if store_shared:
         # Cloned: a tied target's embedding and lm_head are one tensor, which safetensors refuses twice.
         tensors.update({name: getattr(head, buffer).clone() for name, buffer in SHARED_BUFFERS.items()})
-    return {n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()}
+    # Integer tensors (eagle3's d2t) keep their dtype.
+    return {
+        n: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+        for n, t in tensors.items()
+    }
 
 
 def head_config(
@@ -200,11 +208,13 @@ def load_head(head_dir: str | Path, target: Target | str | Path) -> MTPHead:
     head_dir = Path(head_dir)
     config = read_head_config(head_dir)
     check_head_matches_target(config, head_dir, target.config, target.identity)
-    head = MTPHead(HeadSpec.from_config(config, f"{head_dir / CONFIG}"), frozen_target_tensors(target.dir))
+    spec = HeadSpec.from_config(config, f"{head_dir / CONFIG}")
     tensors = load_file(str(head_dir / WEIGHTS))
     for name in SHARED_BUFFERS:  # stored copies of the target's own tensors: the target's are used
         tensors.pop(name, None)
-    check_layout(tensors, native_table(head.spec, False), f"{head_dir / WEIGHTS}")
+    check_layout(tensors, native_table(spec, False), f"{head_dir / WEIGHTS}")
+    draft_ids = torch.arange(spec.vocab) + tensors["d2t"] if "d2t" in tensors else None
+    head = build(spec, frozen_target_tensors(target.dir), draft_ids)
     head.load_state_dict(tensors, strict=True)
     return head
 
@@ -239,7 +249,11 @@ def _layout_writer(
         return lambda d: write_files(d, tensors, config)
     if name not in LAYOUTS:
         raise ValueError(f"export.formats: unknown layout {name!r} (known: native, {', '.join(LAYOUTS)})")
-    layout = LAYOUTS[name](tensors, head.spec.target.to_hf(), head.spec.variant)
+    if (
+        head.spec.kind.reads_aux
+    ):  # the EAGLE-3 layouts hold the draft lm_head (and speculators the embeddings)
+        tensors = head_tensors(head, dtype, store_shared=True)
+    layout = LAYOUTS[name](tensors, head.spec, identity)
     check_layout(layout.tensors, layout.table, f"layout {name}")
     return lambda d: write_files(d, layout.tensors, layout.config, ENGINE_WEIGHTS)
 

@@ -107,9 +107,11 @@ class DraftObjective(torch.nn.Module):
 
     def __init__(self, head, weights: LossWeights, chunk_logits: int, decay: float):
         super().__init__()
-        self.head, self.weights, self.decay = head, weights, decay
+        self.head, self.decay = head, decay
+        # EAGLE-3 drops the feature regression: its y need not live where the target's last layer does.
+        self.weights = weights if head.spec.kind.feature_loss else LossWeights(weights.w_p, 0.0)
         # Rows per chunk from a logits budget: peak memory stays flat in tokens and in vocabulary.
-        self.chunk = max(1, chunk_logits // head.spec.target.vocab_size)
+        self.chunk = max(1, chunk_logits // head.spec.vocab)
 
     def forward(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean loss over supervised positions (chained step j weighted decay^j) and per-step metrics."""

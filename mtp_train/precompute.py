@@ -37,10 +37,11 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from inference_ref.causal_lm import cu_seqlens_of
+from inference_ref.head_spec import check_aux_layers
 from inference_ref.target import TargetModel, load_target
 from mtp_train import config as _config  # noqa: F401  (registers the Hydra schema)
 from mtp_train.data import Sample, load_samples
-from mtp_train.run import Target
+from mtp_train.run import Target, aux_layers_of
 from mtp_train.store import (
     FORMAT,
     VERSION,
@@ -74,6 +75,8 @@ class RankJob:
     hidden_dtype: str
     model_dtype: str
     compile: bool
+    capture: tuple[int, ...] = ()
+    """Auxiliary layers whose entering states are stored beside the last layer's (eagle3)."""
 
     @property
     def complete(self) -> bool:
@@ -122,19 +125,24 @@ def prepare(cfg, rank: int, world: int) -> RankJob:
         hidden_dtype=pc.hidden_dtype,
         model_dtype=cfg.model.dtype,
         compile=pc.compile,
+        capture=tuple(header.get("aux_layers", ())),
     )
 
 
 def run_header(cfg, target: Target, samples: list[Sample], counts: dict, world: int) -> dict:
     """The manifest fields fixed before any compute."""
     hidden_size = target.config.hidden_size
+    aux = list(aux_layers_of(cfg.model, target.config)) if cfg.precompute.aux else []
+    if aux:
+        check_aux_layers(tuple(aux), target.config.num_hidden_layers, "model.aux_layers")
     return {
         "format": FORMAT,
         "version": VERSION,
         "target": target.identity,
         "hidden_size": hidden_size,
         "hidden_dtype": cfg.precompute.hidden_dtype,
-        "bytes_per_token": bytes_per_token(hidden_size, cfg.precompute.hidden_dtype),
+        **({"aux_layers": aux} if aux else {}),  # absent from stores without (and from older ones)
+        "bytes_per_token": bytes_per_token(hidden_size, cfg.precompute.hidden_dtype, 1 + len(aux)),
         "world_size": world,
         "data": {
             "config": OmegaConf.to_container(OmegaConf.structured(cfg.data), resolve=True),
@@ -165,7 +173,7 @@ def claim_store_dir(store_dir: Path, header: dict) -> None:
         return
     old = json.loads(path.read_text())
     check_same_target(header["target"], old["target"], f"store {store_dir}")
-    keys = [("hidden_dtype",), ("data", "sha256")]
+    keys = [("hidden_dtype",), ("aux_layers",), ("data", "sha256")]
     if not (store_dir / "manifest.json").exists():
         keys.append(("world_size",))  # a resumed rank continues its own journal: same ranks needed
     for key in keys:
@@ -179,8 +187,9 @@ def claim_store_dir(store_dir: Path, header: dict) -> None:
 
 
 def _get(d: dict, key: tuple[str, ...]):
+    """The nested value at `key`, None where a key is absent (a store without auxiliary layers)."""
     for k in key:
-        d = d[k]
+        d = d.get(k) if isinstance(d, dict) else None
     return d
 
 
@@ -256,7 +265,7 @@ def write_hidden_states(model: TargetModel, job: RankJob, todo: list[int], write
     try:
         with torch.inference_mode():
             for ids in pack_by_length(todo, lengths, job.tokens_per_batch):
-                background.put(forward_batch(model, job.samples, ids, job.hidden_dtype))
+                background.put(forward_batch(model, job.samples, ids, job.hidden_dtype, job.capture))
                 bar.update(sum(lengths[k] for k in ids))
     finally:
         background.close()
@@ -308,14 +317,23 @@ class HostBatch:
             )
 
 
-def forward_batch(model: TargetModel, samples: list[Sample], ids: list[int], hidden_dtype: str) -> HostBatch:
-    """Run one packed batch and start copying its (encoded) hidden states to pinned host memory."""
+def forward_batch(
+    model: TargetModel,
+    samples: list[Sample],
+    ids: list[int],
+    hidden_dtype: str,
+    capture: tuple[int, ...] = (),
+) -> HostBatch:
+    """Run one packed batch and start copying its (encoded) hidden states to pinned host memory:
+    the last layer's, widened by the `capture` layers' (`causal_lm.widened`)."""
     device = model.embed_tokens.weight.device
     lengths = [len(samples[k].input_ids) for k in ids]
     input_ids = torch.tensor([t for k in ids for t in samples[k].input_ids], dtype=torch.int32)
     loss_mask = torch.tensor([m for k in ids for m in samples[k].loss_mask], dtype=torch.uint8)
-    hidden, _ = model.forward_packed(input_ids.to(device, torch.long), cu_seqlens_of(lengths, device))
-    encoded = encode_hidden(hidden, hidden_dtype)
+    hidden, _ = model.forward_packed(
+        input_ids.to(device, torch.long), cu_seqlens_of(lengths, device), capture=capture
+    )
+    encoded = encode_hidden(hidden, hidden_dtype, 1 + len(capture))
     host = [None if t is None else to_host(t) for t in encoded]
     copied = None
     if device.type == "cuda":
@@ -324,12 +342,13 @@ def forward_batch(model: TargetModel, samples: list[Sample], ids: list[int], hid
     return HostBatch(ids, lengths, input_ids, loss_mask, *host, copied)
 
 
-def encode_hidden(hidden: torch.Tensor, hidden_dtype: str):
-    """(stored, scale, sq_err, sq_ref) on the device: bf16 as is, or fp8 with its error against bf16."""
+def encode_hidden(hidden: torch.Tensor, hidden_dtype: str, layers: int = 1):
+    """(stored, scale, sq_err, sq_ref) on the device: bf16 as is, or fp8 (one scale per token and
+    layer) with its error against bf16."""
     ref = hidden.to(torch.bfloat16)
     if hidden_dtype == "bf16":
         return ref, None, None, None
-    q, scale = quantize_fp8(hidden)
+    q, scale = quantize_fp8(hidden, layers)
     err = dequantize_fp8(q, scale).float() - ref.float()
     return q, scale, err.pow(2).sum(-1), ref.float().pow(2).sum(-1)
 

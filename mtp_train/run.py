@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from inference_ref.head_spec import HEAD_KINDS, HeadSpec, default_aux_layers
 from inference_ref.target import TargetConfig, read_target_config
 from mtp_train.targets import default_device, model_dtype, resolve_target, target_identity
 
@@ -47,3 +48,27 @@ def resolve_run(model, dtype: str | None = None, device: torch.device | None = N
     `dtype` (a dtype name; default: `model.dtype`)."""
     device = device or default_device()
     return Run(Target.resolve(model.target), device, model_dtype(dtype or model.dtype, device))
+
+
+# EAGLE-3's draft vocabulary where none is configured, for targets of ≥ 100k tokens (Llama 3's 128k):
+# the size of the EAGLE reference's and SpecForge's Llama-3 heads.
+DRAFT_VOCAB = 32_000
+
+
+def aux_layers_of(model, target: TargetConfig) -> tuple[int, ...]:
+    """`model.aux_layers`, or the engines' default for this target's depth."""
+    if model.aux_layers is not None:
+        return tuple(model.aux_layers)
+    return default_aux_layers(target.num_hidden_layers)
+
+
+def head_spec(model, target: TargetConfig) -> HeadSpec:
+    """The head the `model` config group asks for on `target`."""
+    kind = HEAD_KINDS.get(model.variant)
+    if kind is None or not kind.reads_aux:
+        return HeadSpec(model.variant, target, model.head_mlp)
+    vocab = model.draft_vocab_size
+    if vocab is None:
+        vocab = DRAFT_VOCAB if target.vocab_size >= 100_000 else 0
+    draft_vocab = 0 if vocab == target.vocab_size else vocab
+    return HeadSpec(model.variant, target, model.head_mlp, aux_layers_of(model, target), draft_vocab)

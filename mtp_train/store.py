@@ -14,11 +14,13 @@ Each shard packs whole samples end to end (S samples, N tokens):
     sample_ids   int64 [S]     position of each sample in the data loader's order
     input_ids    int32 [N]
     loss_mask    uint8 [N]     1 on supervised (assistant) tokens
-    hidden       bf16 [N, H]   or float8_e4m3fn [N, H] with
-    hidden_scale fp32 [N]      per-token scale (fp8 only): hidden ≈ fp8 × scale
+    hidden       bf16 [N, L·H] or float8_e4m3fn [N, L·H] with
+    hidden_scale fp32 [N] (L = 1) or [N, L]: per token (and layer) scale (fp8 only): hidden ≈ fp8 × scale
 
-Storage per token: bf16 `2·H + 5` bytes (H=4096: 8.0 KiB), fp8 `H + 9` bytes (H=4096: 4.0 KiB),
-plus 16 bytes per sample. fp8 halves the store; its cost, the relative RMS error of the dequantized
+L = 1 + the auxiliary layers kept (`aux_layers` in the manifest, for eagle3 heads): the last layer's
+state first, then the states entering those layers (`causal_lm.widened`).
+Storage per token: bf16 `2·L·H + 5` bytes (H=4096, L=1: 8.0 KiB), fp8 `L·(H + 4) + 5` bytes
+(H=4096, L=1: 4.0 KiB), plus 16 bytes per sample. fp8 halves the store; its cost, the relative RMS error of the dequantized
 states against bf16, is measured while writing and recorded in the manifest (`fp8_rel_rms_error`):
 2.2–2.7% on random-weight targets (e4m3 keeps 3 mantissa bits). Real targets have outlier channels
 that a per-token scale spends range on; read the manifest's figure for the target at hand.
@@ -63,11 +65,12 @@ _SAFETENSORS_DTYPE = {
 _TORCH_DTYPE = {name: dtype for dtype, name in _SAFETENSORS_DTYPE.items()}
 
 
-def bytes_per_token(hidden_size: int, hidden_dtype: str) -> int:
-    """Stored bytes per token: ids (4) + mask (1) + hidden (2H bf16, or H fp8 + 4 for the scale)."""
+def bytes_per_token(hidden_size: int, hidden_dtype: str, layers: int = 1) -> int:
+    """Stored bytes per token: ids (4) + mask (1) + `layers` states (2H bf16, or H fp8 + 4 for the scale)."""
     if hidden_dtype not in HIDDEN_DTYPES:
         raise ValueError(f"hidden_dtype must be one of {HIDDEN_DTYPES}, got {hidden_dtype!r}")
-    return 2 * hidden_size + 5 if hidden_dtype == "bf16" else hidden_size + 9
+    per_layer = 2 * hidden_size if hidden_dtype == "bf16" else hidden_size + 4
+    return layers * per_layer + 5
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -78,17 +81,19 @@ def shard_name(rank: int, index: int) -> str:
 # fp8
 
 
-def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, H] → (e4m3 [T, H], fp32 scale [T]): each token scaled so its absmax maps to 448."""
-    h = hidden.float()
+def quantize_fp8(hidden: torch.Tensor, layers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, L·H] → (e4m3 [T, L·H], fp32 scale [T] for L = 1, else [T, L]): each token's state of each
+    layer scaled so its absmax maps to 448 (layers differ in magnitude by orders)."""
+    h = hidden.float().unflatten(-1, (layers, -1))
     scale = h.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
     # Clamp: rounding can put h / scale a hair past 448, which e4m3fn would turn into NaN.
-    q = (h / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    q = (h / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scale[:, 0] if layers == 1 else scale
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (q.float() * scale[:, None]).to(torch.bfloat16)
+    scale = scale if scale.dim() == 2 else scale[:, None]
+    return (q.float().unflatten(-1, (scale.shape[1], -1)) * scale[..., None]).flatten(-2).to(torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,8 +393,23 @@ class Store:
         """Each sample's position in the data loader's order (store order is by rank and length)."""
         return np.concatenate([s["sample_ids"].numpy() for s in self._shards])
 
+    @property
+    def aux_layers(self) -> list[int]:
+        """The layers whose entering states the store keeps beside the last layer's (eagle3)."""
+        return self.manifest.get("aux_layers", [])
+
+    def most_frequent_tokens(self, n: int, vocab_size: int) -> torch.Tensor:
+        """The `n` target ids most often supervised in the store (ties: the lower id), increasing:
+        an eagle3 head's draft vocabulary, as the EAGLE reference and SpecForge choose it."""
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for shard in self._shards:
+            counts += torch.bincount(
+                shard["input_ids"][shard["loss_mask"].bool()].long(), minlength=vocab_size
+            )
+        return torch.sort(-counts, stable=True).indices[:n].sort().values
+
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids LongTensor [n], loss_mask BoolTensor [n], hidden bf16 [n, H]) of sample i."""
+        """(input_ids LongTensor [n], loss_mask BoolTensor [n], hidden bf16 [n, L·H]) of sample i."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a store of {len(self)}")
         shard_index = int(np.searchsorted(self._shard_starts, i, side="right")) - 1

@@ -26,18 +26,27 @@ from inference_ref.target import frozen_target_tensors
 from mtp_train import checkpoint
 from mtp_train.batching import DraftBatch, MicroBatchPlan, collate, prefetched
 from mtp_train.config import ModelConfig, RunConfig, TrainConfig
-from mtp_train.heads import HeadSpec, MTPHead
+from mtp_train.heads import MTPHead, build
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.progress import Progress
-from mtp_train.run import Run, Target, resolve_run
+from mtp_train.run import Run, Target, head_spec, resolve_run
 from mtp_train.store import Store
 from mtp_train.validate import DuringTraining
 
 
-def build_head(model: ModelConfig, target: Target, frozen_dtype: torch.dtype) -> MTPHead:
-    """A fresh head on the target's frozen embeddings, final norm and lm_head (read by name only)."""
+def build_head(
+    model: ModelConfig, target: Target, frozen_dtype: torch.dtype, store: Store | None = None
+) -> MTPHead:
+    """A fresh head on the target's frozen embeddings, final norm and lm_head (read by name only).
+    An eagle3 head's draft vocabulary is the store's most frequent supervised tokens."""
+    spec = head_spec(model, target.config)
     frozen = {k: v.to(frozen_dtype) for k, v in frozen_target_tensors(target.dir).items()}
-    return MTPHead(HeadSpec(model.variant, target.config, model.head_mlp), frozen)
+    draft_ids = None
+    if spec.draft_vocab_size:
+        if store is None:
+            raise ValueError("an eagle3 head with a draft vocabulary needs the store to count tokens in")
+        draft_ids = store.most_frequent_tokens(spec.draft_vocab_size, spec.target.vocab_size)
+    return build(spec, frozen, draft_ids)
 
 
 def check_store(store: Store, head: MTPHead, identity: dict) -> None:
@@ -45,6 +54,13 @@ def check_store(store: Store, head: MTPHead, identity: dict) -> None:
     if len(store) == 0:
         raise ValueError(
             f"{store.path}: the store holds no sample (no supervised assistant tokens in the data?)"
+        )
+    needed, held = list(head.spec.aux_layers), store.manifest.get("aux_layers", [])
+    if needed and needed != held:
+        raise ValueError(
+            f"{store.path}: an {head.spec.variant} head fuses the target's layers {needed}, the store holds "
+            f"{held or 'none'}: precompute a store with precompute.aux=true model.aux_layers={needed} "
+            "(another precompute.store_dir)"
         )
     hidden = store.manifest["hidden_size"]
     if hidden != head.spec.target.hidden_size:
@@ -155,7 +171,7 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, Store, int]:
     torch.manual_seed(tc.seed)
     run = resolve_run(cfg.model, device=acc.device)
     store = Store(tc.store_dir)
-    head = build_head(cfg.model, run.target, run.dtype)
+    head = build_head(cfg.model, run.target, run.dtype, store)
     check_store(store, head, run.target.identity)
     t = prepare_training(acc, head, tc)
     start = 0

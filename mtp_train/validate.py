@@ -154,7 +154,9 @@ def trainer_path(head: MTPHead, target: TargetModel, samples: list[Sample], stor
     device, dtype = target.embed_tokens.weight.device, next(head.parameters()).dtype
     for s in samples:
         ids = torch.tensor(s.input_ids, device=device)
-        hidden, _ = target.forward_packed(ids, cu_seqlens_of([len(ids)], device))
+        hidden, _ = target.forward_packed(
+            ids, cu_seqlens_of([len(ids)], device), capture=head.spec.aux_layers
+        )
         hidden = hidden.to(store_dtype).to(dtype).clone()  # out of inference mode
         sample = (ids.cpu(), torch.tensor(s.loss_mask), hidden.cpu())
         with torch.no_grad():
@@ -170,12 +172,15 @@ def inference_path(ev: Evaluator, samples: list[Sample]):
     ce = top1 = count = 0.0
     for s in samples:
         n = len(s.input_ids)
-        cache, hidden = prefill(ev.target, [s.input_ids], n)
+        cache, hidden = prefill(ev.target, [s.input_ids], n, ev.draft.capture)
         ids = torch.tensor([s.input_ids], device=hidden.device)
         draft_cache = ev.draft.new_cache(1, n)
         y = ev.draft.prefill(hidden[:, :-1], ids[:, 1:], draft_cache)
         draft_logits = ev.draft.logits(y)[0]
         target_logits = ev.target.logits(hidden[0, 1:])
+        vocab = ev.draft.draft_ids
+        if vocab is not None:  # a draft vocabulary: the target's distribution over it, as trained
+            draft_logits, target_logits = draft_logits[:, vocab], target_logits[:, vocab]
         _, _, valid = align_sample(torch.tensor(s.input_ids), torch.tensor(s.loss_mask), 0, 1)
         rows = valid[0].to(hidden.device)
         p = target_logits[rows].softmax(-1)

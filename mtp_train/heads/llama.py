@@ -13,16 +13,18 @@ from mtp_train.head_attention import Segments, head_attention
 
 
 class HeadAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, in_features: int | None = None):
+        """`in_features`: the width q/k/v read (the hidden size; 2H for EAGLE-3's layer)."""
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        width = in_features or cfg.hidden_size
+        self.q_proj = nn.Linear(width, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.rotary = Rotary(cfg)
 

@@ -58,10 +58,17 @@ class MTPHead(nn.Module):
             self.norm = RMSNorm(h, t.rms_norm_eps)
         self.fc = nn.Linear(2 * h, h, bias=spec.kind.fc_bias)
         self.layer = HeadLayer(t, input_norm=spec.restored, mlp=spec.mlp)
+        self.share(frozen)
+        self.reset_parameters()
+
+    def share(self, frozen: dict[str, torch.Tensor], lm_head_rows: torch.Tensor | None = None) -> None:
+        """The target's embeddings, final norm and lm_head (its `lm_head_rows` only, for a draft
+        vocabulary) as buffers: in no optimizer and no checkpoint."""
+        lm_head = frozen["lm_head.weight"]
         self.register_buffer("embed_weight", frozen["model.embed_tokens.weight"], persistent=False)
         self.register_buffer("final_norm_weight", frozen["model.norm.weight"], persistent=False)
-        self.register_buffer("lm_head_weight", frozen["lm_head.weight"], persistent=False)
-        self.reset_parameters()
+        rows = lm_head if lm_head_rows is None else lm_head[lm_head_rows]
+        self.register_buffer("lm_head_weight", rows, persistent=False)
 
     def reset_parameters(self) -> None:
         """Norms start at the target's final norm (z lives where final_norm(h) does); linears, the
@@ -78,8 +85,9 @@ class MTPHead(nn.Module):
                 self.norm.weight.copy_(self.final_norm_weight)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """The target's frozen final norm."""
-        return rms_norm(h, self.final_norm_weight, self.spec.target.rms_norm_eps)
+        """The target's frozen final norm, of the last layer's state (the first H columns of widened states)."""
+        t = self.spec.target
+        return rms_norm(h[..., : t.hidden_size], self.final_norm_weight, t.rms_norm_eps)
 
     def project(self, state: torch.Tensor, token_ids: torch.Tensor, first: bool) -> torch.Tensor:
         """fc input from (state, next token). `state` is the target's h (first step) or the head's y."""

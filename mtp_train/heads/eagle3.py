@@ -1,0 +1,71 @@
+"""The EAGLE-3 head for training (Llama-kind targets): architecture only.
+
+    g = fc([a_1; …; a_n])                       the target's states entering the aux layers, 3H → H
+    y = g + attn([input_layernorm(e); hidden_norm(g)])      e = embed(t_{i+1}); q/k/v read 2H
+    y = y + mlp(post_attention_layernorm(y));  z = norm(y);  logits = lm_head_d(z)
+
+A chained step reads its own y as g (no fc), as the EAGLE reference and the engines run it. What is
+trained: fc, the layer, the norms. What is frozen: the target's embeddings, and the lm_head, whose
+rows for the draft vocabulary (`d2t`) are the draft's lm_head: the draft then scores exactly the
+target's restricted distribution that EAGLE-3's loss trains toward, the loss keeps its chunked
+form (one frozen matrix), and a 32k × H lm_head adds nothing to the optimizer (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from inference_ref.causal_lm import RMSNorm
+from inference_ref.head_spec import HeadSpec
+from mtp_train.head_attention import Segments
+from mtp_train.heads.llama import HeadAttention, HeadMLP
+from mtp_train.heads.mtp import MTPHead
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer over x = [e; g] (2H): each half normalized, attention 2H → H, the
+    residual stream is g (`norm_before_residual` false, as the reference and SGLang build it)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
+        self.hidden_norm = RMSNorm(h, eps)
+        self.self_attn = HeadAttention(cfg, in_features=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = HeadMLP(h, cfg.intermediate_size)
+
+    def forward(self, x, positions, batch: Segments, kv: list):
+        e, g = x.chunk(2, -1)
+        y = g + self.self_attn(
+            torch.cat([self.input_layernorm(e), self.hidden_norm(g)], -1), positions, batch, kv
+        )
+        return y + self.mlp(self.post_attention_layernorm(y))
+
+
+class Eagle3Head(MTPHead):
+    """`MTPHead`'s chained forward, loss interface and frozen buffers, with EAGLE-3's fc, layer and
+    draft vocabulary. `draft_ids` [Vd]: the target ids of the draft vocabulary, increasing (None:
+    the whole target vocabulary)."""
+
+    def __init__(
+        self, spec: HeadSpec, frozen: dict[str, torch.Tensor], draft_ids: torch.Tensor | None = None
+    ):
+        nn.Module.__init__(self)
+        t = self.spec = spec
+        h = t.target.hidden_size
+        self.fc = nn.Linear(len(spec.aux_layers) * h, h, bias=False)
+        self.layer = Eagle3Layer(t.target)
+        self.norm = RMSNorm(h, t.target.rms_norm_eps)
+        ids = torch.arange(spec.vocab) if draft_ids is None else draft_ids.long()
+        if ids.shape != (spec.vocab,):
+            raise ValueError(f"draft ids: {tuple(ids.shape)}, expected ({spec.vocab},)")
+        # d2t as the engines store it: target id = draft id + d2t[draft id]. Persistent: it is the head's.
+        self.register_buffer("d2t", ids - torch.arange(spec.vocab))
+        self.share(frozen, lm_head_rows=ids)
+        self.reset_parameters()
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
