@@ -5,10 +5,27 @@ YAML under `recipes/` fills these in; a key that is not a field here is an error
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value out of its range, or a key no component has: one line naming the field."""
+
+
+def require(ok: bool, field_name: str, value, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}={value!r}: must be {rule}")
+
+
+def at_least(section: str, obj, minimum, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        require(value is None or value >= minimum, f"{section}.{name}", value, f">= {minimum}")
 
 
 @dataclass
@@ -27,6 +44,23 @@ class ModelConfig:
     draft_vocab_size: int | None = None
     """eagle3: the draft vocabulary, the most frequent target tokens of the training answers; None:
     32,000 for target vocabularies of ≥ 100k, the whole vocabulary for smaller ones."""
+
+    def __post_init__(self):
+        require(self.head_mlp in ("dense", "moe"), "model.head_mlp", self.head_mlp, "dense or moe")
+        require(
+            self.dtype in ("auto", "bfloat16", "float32"),
+            "model.dtype",
+            self.dtype,
+            "auto, bfloat16 or float32",
+        )
+        at_least("model", self, 1, "draft_vocab_size")
+        require(
+            self.aux_layers is None or len(self.aux_layers) > 0,
+            "model.aux_layers",
+            self.aux_layers,
+            "null or ids",
+        )
+
     head_mlp: str = "dense"
     """MLP of the head's decoder layer on a DeepSeek-V2 target: `dense` (SwiGLU of the target's
     `intermediate_size`) or `moe` (the target's MoE block: router, routed and shared experts).
@@ -51,6 +85,12 @@ class DataConfig:
     holdout: int = 0
     """The first `holdout` records are kept out of training; when > 0 they are validation's
     teacher-forced text (else the target's answers to `validate.eval_files` are)."""
+
+    def __post_init__(self):
+        at_least("data", self, 3, "max_seq_len")  # a sample needs 3 tokens for one draft position
+        at_least("data", self, 1, "max_samples")
+        at_least("data", self, 0, "holdout")
+        require(self.overlong in ("truncate", "drop"), "data.overlong", self.overlong, "truncate or drop")
 
 
 @dataclass
@@ -78,6 +118,10 @@ class RegenerateConfig:
     new tokens ran slower with it; by extrapolation it pays from about 3M. Ignored on CPU and for
     DeepSeek-V2 targets."""
 
+    def __post_init__(self):
+        at_least("regenerate", self, 1, "max_prompt_tokens", "max_new_tokens", "batch_size", "limit")
+        at_least("regenerate", self, 0, "temperature")
+
 
 @dataclass
 class PrecomputeConfig:
@@ -97,6 +141,12 @@ class PrecomputeConfig:
     """On CUDA, fuse each layer's elementwise chains with torch.compile (`CausalLM.compile_layers`):
     1.25× at the Llama-3.1-8B shape after a 5.9 s compile (docs/benchmarks.md). Ignored on CPU and
     for DeepSeek-V2 targets (not measured there)."""
+
+    def __post_init__(self):
+        at_least("precompute", self, 1, "tokens_per_batch", "shard_tokens")
+        require(
+            self.hidden_dtype in ("bf16", "fp8"), "precompute.hidden_dtype", self.hidden_dtype, "bf16 or fp8"
+        )
 
 
 @dataclass
@@ -147,6 +197,41 @@ class TrainConfig:
     resume: bool = True
     """Resume from the latest checkpoint in `out_dir` if there is one."""
 
+    def __post_init__(self):
+        at_least(
+            "train",
+            self,
+            1,
+            "steps",
+            "tokens_per_micro_batch",
+            "grad_accum",
+            "loss_chunk_logits",
+            "unroll_steps",
+        )
+        at_least("train", self, 0, "warmup_steps", "weight_decay", "w_p", "w_h", "save_every", "export_every")
+        at_least("train", self, 0, "validate_every")
+        require(0 < self.lr < math.inf, "train.lr", self.lr, "a positive finite number")
+        require(
+            self.grad_clip > 0,
+            "train.grad_clip",
+            self.grad_clip,
+            "> 0 (a negative clip ascends the gradient)",
+        )
+        require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        require(0 < self.unroll_decay <= 1, "train.unroll_decay", self.unroll_decay, "in (0, 1]")
+        require(self.w_p + self.w_h > 0, "train.w_p + train.w_h", self.w_p + self.w_h, "> 0")
+        betas = list(self.betas)
+        require(
+            len(betas) == 2 and all(0 <= b < 1 for b in betas), "train.betas", betas, "two values in [0, 1)"
+        )
+        steps = list(self.spec_validate_at)
+        require(
+            all(1 <= s <= self.steps for s in steps),
+            "train.spec_validate_at",
+            steps,
+            f"steps in 1 … {self.steps}",
+        )
+
 
 @dataclass
 class ValidateConfig:
@@ -184,6 +269,15 @@ class ValidateConfig:
     seed: int = 0
     """Sampling seed."""
 
+    def __post_init__(self):
+        at_least("validate", self, 1, "num_prompts", "max_new_tokens", "batch_size")
+        at_least("validate", self, 0, "teacher_forced_samples")
+        ks, temps = list(self.chain_lengths), list(self.temperatures)
+        require(len(ks) > 0 and all(k >= 1 for k in ks), "validate.chain_lengths", ks, "chain lengths >= 1")
+        require(
+            len(temps) > 0 and all(t >= 0 for t in temps), "validate.temperatures", temps, "temperatures >= 0"
+        )
+
 
 @dataclass
 class ExportConfig:
@@ -198,6 +292,11 @@ class ExportConfig:
     dtype: str = "bfloat16"
     """Dtype of the exported tensors: `bfloat16`, `float16` or `float32`."""
 
+    def __post_init__(self):
+        require(len(self.formats) > 0, "export.formats", list(self.formats), "at least one layout")
+        dtypes = ("bfloat16", "float16", "float32")
+        require(self.dtype in dtypes, "export.dtype", self.dtype, f"one of {', '.join(dtypes)}")
+
 
 @dataclass
 class LoggingConfig:
@@ -207,6 +306,11 @@ class LoggingConfig:
     """wandb project."""
     log_every: int = 10
     """Console/wandb progress line every N steps."""
+
+    def __post_init__(self):
+        modes = ("disabled", "offline", "online")
+        require(self.wandb in modes, "logging.wandb", self.wandb, f"one of {', '.join(modes)}")
+        at_least("logging", self, 1, "log_every")
 
 
 @dataclass
@@ -221,6 +325,41 @@ class RunConfig:
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def checked(cfg: DictConfig) -> RunConfig:
+    """`cfg` as the dataclasses, every value range-checked (their `__post_init__`), and refused
+    with one line if it holds a key no component has (a `+key=value` override included)."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    unknown = unknown_keys(cfg, RunConfig)
+    if unknown:
+        raise ConfigError(f"unknown config keys {unknown}: every field is in mtp_train/config.py")
+    try:
+        return OmegaConf.to_object(cfg)
+    except Exception as e:  # OmegaConf wraps the __post_init__ error; show ours alone
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            if isinstance(cause, ConfigError):
+                break
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, ConfigError):
+            raise ConfigError(str(cause)) from None
+        raise
+
+
+def unknown_keys(cfg: DictConfig, schema: type, prefix: str = "") -> list[str]:
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    out = []
+    for key in cfg:
+        name = f"{prefix}{key}"
+        if key not in fields:
+            out.append(name)
+        elif dataclasses.is_dataclass(
+            fields[key].default_factory() if callable(fields[key].default_factory) else None
+        ):
+            out += unknown_keys(cfg[key], type(fields[key].default_factory()), name + ".")
+    return out
 
 
 def register() -> None:

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from inference_ref.head_spec import CONFIG, FORMAT, FORMAT_VERSION, WEIGHTS, HeadSpec, check_head_fits_target
 from inference_ref.target import TargetConfig, frozen_target_tensors
-from mtp_train.config import RunConfig  # noqa: F401  (registers the schema Hydra composes)
+from mtp_train.config import checked  # also registers the schema Hydra composes
 from mtp_train.engine_layouts import EAGLE3_BLOCK, LAYOUTS, Symbolic, check_layout, resolve
 from mtp_train.heads import MTPHead, build
 from mtp_train.heads.kinds import LAYER_KINDS
@@ -94,11 +94,22 @@ def head_tensors(
     if store_shared:
         # Cloned: a tied target's embedding and lm_head are one tensor, which safetensors refuses twice.
         tensors.update({name: getattr(head, buffer).clone() for name, buffer in SHARED_BUFFERS.items()})
+    check_finite_tensors(tensors, "the head")
     # Integer tensors (eagle3's d2t) keep their dtype.
     return {
         n: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
         for n, t in tensors.items()
     }
+
+
+def check_finite_tensors(tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    """Refuse to write (or read back) a head with a NaN or inf in it, naming the first such tensor."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(
+                f"{what}: {name} has {bad} non-finite values of {t.numel()}; refusing to export it"
+            )
 
 
 def head_config(
@@ -213,6 +224,7 @@ def load_head(head_dir: str | Path, target: Target | str | Path) -> MTPHead:
     for name in SHARED_BUFFERS:  # stored copies of the target's own tensors: the target's are used
         tensors.pop(name, None)
     check_layout(tensors, native_table(spec, False), f"{head_dir / WEIGHTS}")
+    check_finite_tensors(tensors, f"{head_dir / WEIGHTS}")
     draft_ids = torch.arange(spec.vocab) + tensors["d2t"] if "d2t" in tensors else None
     head = build(spec, frozen_target_tensors(target.dir), draft_ids)
     head.load_state_dict(tensors, strict=True)
@@ -228,6 +240,7 @@ def export(cfg) -> dict[str, Path]:
     Every layout is built and checked before anything is written, so a refused layout leaves no
     partial export behind.
     """
+    checked(cfg)
     ec = cfg.export
     target = Target.resolve(cfg.model.target)
     identity = target.identity

@@ -104,6 +104,7 @@ def run_precompute(cfg) -> Path:
 
 def prepare(cfg, rank: int, world: int) -> RankJob:
     """Tokenize the data, fix the run's settings, and claim (or re-check) the store directory."""
+    _config.checked(cfg)
     from transformers import AutoTokenizer
 
     target = Target.resolve(cfg.model.target)

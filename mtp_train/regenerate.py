@@ -23,9 +23,9 @@ from transformers import AutoTokenizer
 
 from inference_ref.generate import generate
 from inference_ref.target import load_target
-from mtp_train.config import RegenerateConfig
+from mtp_train.config import RegenerateConfig, checked
 from mtp_train.data import Message, Prompt, load_prompts, prompt_ids
-from mtp_train.targets import default_device, model_dtype, resolve_target
+from mtp_train.run import resolve_run
 
 
 @dataclass
@@ -133,10 +133,10 @@ def regenerate(rcfg: RegenerateConfig, target_dir: str | Path, device="cpu", dty
 
 @hydra.main(config_path="../recipes", config_name="config", version_base=None)
 def main(cfg) -> None:
-    device = default_device()
-    dtype = model_dtype(cfg.model.dtype, device)
+    checked(cfg)
+    run = resolve_run(cfg.model)
     started = time.perf_counter()
-    counts = regenerate(cfg.regenerate, resolve_target(cfg.model.target), device, dtype)
+    counts = regenerate(cfg.regenerate, run.target.dir, run.device, run.dtype)
     seconds = time.perf_counter() - started
     rate = counts["new_tokens"] / seconds
     print(

@@ -421,19 +421,49 @@ class Store:
         return shard["input_ids"][a:b].long(), shard["loss_mask"][a:b].bool(), hidden
 
     def verify(self) -> None:
-        """Recompute every shard's sha256; raise naming the first shard that does not match."""
+        """Check the manifest's counts against its shards and every shard's sha256; raise naming the
+        first damaged shard and how to repair it. A shard whose size and modification time are
+        those it had when it last hashed right is not hashed again (`verified.json`), so a training
+        run pays the hashing once per store, not once per start."""
+        shards = self.manifest["shards"]
+        held = sum(s["samples"] for s in shards)
+        if held != self.manifest["num_samples"]:
+            raise ValueError(
+                f"store {self.path}: manifest.json lists shards holding {held} samples but says "
+                f"num_samples {self.manifest['num_samples']}: the manifest is damaged; {REPAIR}"
+            )
+        cache_path = self.path / "verified.json"
+        cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+        stale = [s for s in shards if cache.get(s["file"]) != self._stamp(s)]
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            found = list(pool.map(self._shard_sha, self.manifest["shards"]))
-        for shard, sha in zip(self.manifest["shards"], found):
+            found = list(pool.map(self._shard_sha, stale))
+        for shard, sha in zip(stale, found):
             if sha != shard["sha256"]:
                 raise ValueError(
-                    f"store {self.path}: shard {shard['file']} is corrupted "
-                    f"(sha256 {sha[:16]}…, manifest says {shard['sha256'][:16]}…); precompute it again"
+                    f"store {self.path}: shard {shard['file']} is corrupted (sha256 {sha[:16]}…, manifest "
+                    f"says {shard['sha256'][:16]}…); {REPAIR}"
                 )
+            cache[shard["file"]] = self._stamp(shard)
+        if stale:
+            try:
+                write_json_atomic(cache_path, cache)
+            except OSError:  # a read-only store: verified again next time
+                pass
+
+    def _stamp(self, shard: dict) -> list:
+        """What a verified shard looks like on disk: size, modification time, the manifest's sha256."""
+        try:
+            st = (self.path / shard["file"]).stat()
+        except FileNotFoundError:
+            return []
+        return [st.st_size, st.st_mtime_ns, shard["sha256"]]
 
     def _shard_sha(self, shard: dict) -> str:
         h = hashlib.sha256()
-        with open(self.path / shard["file"], "rb") as f:
+        path = self.path / shard["file"]
+        if not path.exists():
+            return "missing"
+        with open(path, "rb") as f:
             while block := f.read(1 << 24):
                 h.update(block)
         return h.hexdigest()
@@ -441,3 +471,55 @@ class Store:
     def check_target(self, identity: dict) -> None:
         """Raise ValueError if this store was made with another target, tokenizer or chat template."""
         check_same_target(identity, self.manifest["target"], f"store {self.path}")
+
+
+REPAIR = "repair with `python -m mtp_train.store repair STORE_DIR`, then rerun precompute (it redoes only the damaged shards' samples)"
+
+
+def repair(store_dir: str | Path) -> list[str]:
+    """Drop every damaged or missing shard from the store's records, so that rerunning precompute
+    recomputes exactly their samples: the shard file, its journal line and the rank and store
+    manifests go (the journal is what a resumed precompute trusts). Returns the dropped files."""
+    store_dir = Path(store_dir)
+    manifest = json.loads((store_dir / "manifest.json").read_text())
+    store = Store(store_dir)
+    damaged = [s["file"] for s in manifest["shards"] if store._shard_sha(s) != s["sha256"]]
+    for journal in store_dir.glob("journal-*.jsonl"):
+        lines = journal.read_text().splitlines()
+        kept = [line for line in lines if json.loads(line)["file"] not in damaged]
+        if len(kept) != len(lines):
+            tmp = journal.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, journal)
+    for name in damaged:
+        (store_dir / name).unlink(missing_ok=True)
+    if damaged:
+        for path in [
+            *store_dir.glob("rank-*.json"),
+            store_dir / "manifest.json",
+            store_dir / "verified.json",
+        ]:
+            path.unlink(missing_ok=True)
+    return damaged
+
+
+def main(argv: list[str]) -> None:
+    """`python -m mtp_train.store verify|repair STORE_DIR`."""
+    if len(argv) != 2 or argv[0] not in ("verify", "repair"):
+        raise SystemExit("usage: python -m mtp_train.store verify|repair STORE_DIR")
+    if argv[0] == "verify":
+        Store(argv[1]).verify()
+        print(f"{argv[1]}: every shard intact")
+        return
+    dropped = repair(argv[1])
+    print(
+        f"{argv[1]}: dropped {dropped or 'nothing'}; rerun precompute to recompute them"
+        if dropped
+        else f"{argv[1]}: nothing damaged"
+    )
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from inference_ref.target import frozen_target_tensors
 from mtp_train import checkpoint
 from mtp_train.batching import DraftBatch, MicroBatchPlan, collate, prefetched
-from mtp_train.config import ModelConfig, RunConfig, TrainConfig
+from mtp_train.config import ModelConfig, RunConfig, TrainConfig, checked
 from mtp_train.heads import MTPHead, build
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.progress import Progress
@@ -51,6 +51,7 @@ def build_head(
 
 def check_store(store: Store, head: MTPHead, identity: dict) -> None:
     store.check_target(identity)
+    store.verify()  # every shard's sha256 (cached once verified) and the manifest's counts
     if len(store) == 0:
         raise ValueError(
             f"{store.path}: the store holds no sample (no supervised assistant tokens in the data?)"
@@ -154,6 +155,7 @@ def train_step(t: Training, batches: Iterator[DraftBatch]) -> tuple[list, torch.
             t.acc.backward(loss)
             if t.acc.sync_gradients:
                 grad_norm = t.acc.clip_grad_norm_(t.objective.parameters(), t.tc.grad_clip)
+            check_finite(t, loss, grad_norm)
             t.optimizer.step()
             t.optimizer.zero_grad()
         stats.append((loss.detach(), metrics, batch.tokens))
@@ -161,10 +163,32 @@ def train_step(t: Training, batches: Iterator[DraftBatch]) -> tuple[list, torch.
     return stats, grad_norm, waited
 
 
+class NonFiniteLoss(FloatingPointError):
+    """Training stopped at a non-finite loss or gradient, before applying it."""
+
+
+def check_finite(t: Training, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+    """Stop, on every process alike, before a non-finite loss or gradient reaches the weights.
+
+    Stopping rather than skipping: a one-layer head at a sane learning rate does not overflow, so a
+    NaN or inf means the run diverged (train.lr) or read damaged data, and skipped steps would hide
+    either. Nothing non-finite is applied, so the checkpoints and exports written so far are intact."""
+    bad = ~torch.isfinite(loss.detach().float())
+    if isinstance(grad_norm, torch.Tensor):
+        bad = bad | ~torch.isfinite(grad_norm.float())
+    if t.acc.reduce(bad.float(), reduction="sum").item() > 0:  # one process's NaN stops them all
+        raise NonFiniteLoss(
+            f"training stopped: the loss is {loss.item()} (gradient norm {grad_norm}) at step "
+            f"{t.scheduler.last_epoch + 1}; nothing of it was applied and the checkpoints in "
+            f"{t.tc.out_dir} are intact. Lower train.lr (now {t.tc.lr:g}) or check the store."
+        )
+
+
 def set_up(cfg: RunConfig) -> tuple[Training, Run, Store, int]:
     """Resolve the run, open and check the store, build the head and its training state, and
     resume from the latest checkpoint. Returns the training state, the run, the store and the
     step to start from."""
+    checked(cfg)
     tc = cfg.train
     # cpu=True without CUDA: otherwise accelerate ignores torchrun's ranks on a CPU-only host.
     acc = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available())

@@ -6,8 +6,8 @@ Two measurements, both on the evaluation prompts (MT-bench by default, every tur
   temperature: per-position acceptance, mean accepted length τ, the draft/target time split, and
   (greedy) whether the output equals target-only greedy output;
 - the teacher-forced loss and top-1 on the target's own answers, computed twice: by the training
-  module on states from the precompute path (rounded to bf16 on CUDA, as a bf16 store holds them;
-  fp32 on CPU, see `rounding_dtype`), and by the inference draft on states from the target's
+  module on states from the precompute path (rounded on CUDA as the training store holds them, bf16
+  or fp8 by its manifest; fp32 on CPU, see `store_rounding`), and by the inference draft on states from the target's
   KV-cache path. Their difference is `parity_gap`.
 """
 
@@ -28,12 +28,13 @@ from inference_ref.generate import generate, prefill
 from inference_ref.speculative import SpecStats, speculative_generate
 from inference_ref.target import TargetModel, load_target
 from mtp_train.batching import align_sample, collate
-from mtp_train.config import RunConfig
+from mtp_train.config import RunConfig, checked
 from mtp_train.data import Conversation, Prompt, Sample, encode, load_prompts, load_samples, prompt_ids
 from mtp_train.export import load_head
 from mtp_train.heads import MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.run import Run, resolve_run
+from mtp_train.store import dequantize_fp8, quantize_fp8
 from mtp_train.targets import check_same_target
 
 
@@ -147,7 +148,7 @@ def target_only_pass(ev: Evaluator, prompts, vc):
 # --- teacher-forced loss, twice -----------------------------------------------------------------
 
 
-def trainer_path(head: MTPHead, target: TargetModel, samples: list[Sample], store_dtype, chunk_logits: int):
+def trainer_path(head: MTPHead, target: TargetModel, samples: list[Sample], rounding: str, chunk_logits: int):
     """CE and top-1 by the training module on packed-forward states rounded to the store's dtype."""
     objective = DraftObjective(head, LossWeights(1.0, 0.0), chunk_logits, 1.0)
     ce = top1 = count = 0.0
@@ -157,7 +158,7 @@ def trainer_path(head: MTPHead, target: TargetModel, samples: list[Sample], stor
         hidden, _ = target.forward_packed(
             ids, cu_seqlens_of([len(ids)], device), capture=head.spec.aux_layers
         )
-        hidden = hidden.to(store_dtype).to(dtype).clone()  # out of inference mode
+        hidden = round_as_stored(hidden, rounding, 1 + len(head.spec.aux_layers)).to(dtype).clone()
         sample = (ids.cpu(), torch.tensor(s.loss_mask), hidden.cpu())
         with torch.no_grad():
             _, m = objective(collate([sample], steps=1).to(device, dtype))
@@ -190,20 +191,34 @@ def inference_path(ev: Evaluator, samples: list[Sample]):
     return {"ce": ce / max(count, 1), "top1": top1 / max(count, 1), "positions": int(count)}
 
 
-def rounding_dtype(device: torch.device) -> torch.dtype:
-    """The dtype the trainer path's states are rounded to: bf16 on CUDA, as the store holds them
-    for training (an fp8 store's extra rounding is not reproduced), and none (fp32) on CPU, where
-    the parity tests compare the two code paths alone."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def store_rounding(cfg: RunConfig, device: torch.device) -> str:
+    """How the trainer path's states are rounded: on CUDA as the training store holds them (its
+    manifest's `hidden_dtype`, `bf16` or `fp8`; `precompute.hidden_dtype` before a store exists),
+    and not at all (`fp32`) on CPU, where the parity tests compare the two code paths alone."""
+    if device.type != "cuda":
+        return "fp32"
+    manifest = Path(cfg.train.store_dir) / "manifest.json"
+    if manifest.exists():
+        return json.loads(manifest.read_text())["hidden_dtype"]
+    return cfg.precompute.hidden_dtype
+
+
+def round_as_stored(hidden: torch.Tensor, rounding: str, layers: int) -> torch.Tensor:
+    """`hidden` [T, L·H] after the store's encoding and decoding (`precompute.encode_hidden`)."""
+    if rounding == "fp32":
+        return hidden.float()
+    if rounding == "bf16":
+        return hidden.to(torch.bfloat16)
+    return dequantize_fp8(*quantize_fp8(hidden, layers))
 
 
 def teacher_forced(
-    ev: Evaluator, head: MTPHead, samples: list[Sample], store_dtype, chunk_logits: int
+    ev: Evaluator, head: MTPHead, samples: list[Sample], rounding: str, chunk_logits: int
 ) -> dict:
-    trainer = trainer_path(head, ev.target, samples, store_dtype, chunk_logits)
+    trainer = trainer_path(head, ev.target, samples, rounding, chunk_logits)
     inference = inference_path(ev, samples)
     gap = {k: abs(trainer[k] - inference[k]) for k in ("ce", "top1")}
-    return {"trainer": trainer, "inference": inference, "parity_gap": gap, "store_dtype": str(store_dtype)}
+    return {"trainer": trainer, "inference": inference, "parity_gap": gap, "store_rounding": rounding}
 
 
 def samples_of(ev: Evaluator, dialogs: list[list[dict]], limit: int, max_len: int) -> list[Sample]:
@@ -226,6 +241,7 @@ def holdout_samples(cfg: RunConfig, ev: Evaluator) -> list[Sample]:
 
 
 def run_validation(cfg: RunConfig) -> dict:
+    checked(cfg)
     vc = cfg.validate
     run = resolve_run(cfg.model, vc.dtype)
     ev = Evaluator.load(run, Path(vc.head), vc.compile)
@@ -258,8 +274,8 @@ def run_validation(cfg: RunConfig) -> dict:
     head = load_head(vc.head, run.target).to(device=run.device, dtype=run.dtype)
     held = holdout_samples(cfg, ev)
     samples = held or samples_of(ev, base_dialogs, vc.teacher_forced_samples, cfg.data.max_seq_len)
-    store_dtype = rounding_dtype(run.device)
-    report["teacher_forced"] = teacher_forced(ev, head, samples, store_dtype, cfg.train.loss_chunk_logits)
+    rounding = store_rounding(cfg, run.device)
+    report["teacher_forced"] = teacher_forced(ev, head, samples, rounding, cfg.train.loss_chunk_logits)
     report["teacher_forced"]["text"] = "data.holdout" if held else "target answers to eval_files"
     write_report(report, Path(vc.report))
     return report
@@ -308,8 +324,8 @@ class DuringTraining:
 
     def _teacher_forced_sums(self, head_dir: Path) -> tuple[PathSums, PathSums]:
         head = load_head(head_dir, self.run.target).to(device=self.run.device, dtype=self.run.dtype)
-        store_dtype = rounding_dtype(self.run.device)
-        tf = teacher_forced(self.ev, head, self.samples, store_dtype, self.cfg.train.loss_chunk_logits)
+        rounding = store_rounding(self.cfg, self.run.device)
+        tf = teacher_forced(self.ev, head, self.samples, rounding, self.cfg.train.loss_chunk_logits)
         return PathSums.of(tf["trainer"]), PathSums.of(tf["inference"])
 
     def _speculative_sums(self, k: int) -> SpecStats:

@@ -1,0 +1,122 @@
+"""Integrity: nonsense config values and unknown keys are refused with one line, a non-finite loss
+stops training before it reaches the weights, a non-finite head is never exported, and a damaged
+store stops training until it is repaired and precomputed again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from mtp_train import export as ex
+from mtp_train.config import ConfigError, checked
+from mtp_train.precompute import run_precompute
+from mtp_train.store import Store, repair
+from mtp_train.train import NonFiniteLoss, train
+
+REPO = Path(__file__).resolve().parent.parent
+GSM8K = REPO / "tests" / "data" / "gsm8k_64.jsonl"
+
+
+def config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+        return compose("config", overrides=overrides)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("+train.bogus_key=1", "train.bogus_key"),
+        ("train.grad_clip=-1", "train.grad_clip"),
+        ("train.steps=0", "train.steps"),
+        ("train.steps=-3", "train.steps"),
+        ("train.tokens_per_micro_batch=0", "train.tokens_per_micro_batch"),
+        ("train.warmup_steps=-1", "train.warmup_steps"),
+        ("train.grad_accum=0", "train.grad_accum"),
+        ("train.unroll_steps=0", "train.unroll_steps"),
+        ("train.betas=[0.9]", "train.betas"),
+        ("data.max_seq_len=-1", "data.max_seq_len"),
+        ("data.holdout=-1", "data.holdout"),
+        ("validate.temperatures=[-1.0]", "validate.temperatures"),
+        ("validate.chain_lengths=[0]", "validate.chain_lengths"),
+        ("validate.batch_size=0", "validate.batch_size"),
+        ("validate.num_prompts=0", "validate.num_prompts"),
+        ("export.dtype=int8", "export.dtype"),
+    ],
+)
+def test_nonsense_config_values_are_refused_naming_the_field(override, field):
+    cfg = config(["model.target=unused", override])
+    with pytest.raises(ConfigError) as error:
+        checked(cfg)
+    assert field in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_default_config_passes(tiny_target):
+    checked(config([f"model.target={tiny_target}"]))
+
+
+def tiny(target: Path, run: Path, *extra: str) -> list[str]:
+    return [
+        "model=tiny_random",
+        f"model.target={target}",
+        "model.dtype=float32",
+        f"run_dir={run}",
+        f"data.train_files=[{GSM8K}]",
+        "data.max_samples=16",
+        "train.tokens_per_micro_batch=512",
+        "logging.log_every=1",
+        *extra,
+    ]
+
+
+def test_a_non_finite_loss_stops_training_before_it_is_applied(tiny_target, tmp_path):
+    cfg = config(tiny(tiny_target, tmp_path, "train.lr=1e20", "train.steps=6", "train.save_every=1"))
+    run_precompute(cfg)
+    with pytest.raises(NonFiniteLoss, match="train.lr"):
+        train(cfg)
+    assert not (tmp_path / "train" / "head").exists()  # nothing exported
+    ckpts = sorted((tmp_path / "train").glob("ckpt-*"))
+    for ckpt in ckpts:  # every checkpoint written before the stop is finite
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(next(ckpt.glob("*.safetensors"))))
+        assert all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
+
+
+def test_export_refuses_a_non_finite_head(tiny_target, tmp_path):
+    from mtp_train.heads import HeadSpec, MTPHead
+    from mtp_train.run import Target
+
+    target = Target.resolve(str(tiny_target))
+    from inference_ref.target import frozen_target_tensors
+
+    head = MTPHead(HeadSpec("rmsnorm-restored", target.config), frozen_target_tensors(tiny_target))
+    with torch.no_grad():
+        head.fc.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="fc.weight has 1 non-finite"):
+        ex.save_head(head, tmp_path / "head", target.identity, {})
+    assert not (tmp_path / "head").exists()
+
+
+def test_a_damaged_store_stops_training_until_repaired(tiny_target, tmp_path):
+    cfg = config(
+        tiny(tiny_target, tmp_path, "train.steps=2", "train.save_every=0", "precompute.shard_tokens=1024")
+    )
+    store_dir = run_precompute(cfg)
+    shards = Store(store_dir).manifest["shards"]
+    assert len(shards) > 1
+    victim = store_dir / shards[1]["file"]
+    data = bytearray(victim.read_bytes())
+    data[-100:-90] = bytes(10)  # hidden states of the shard's last sample
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"{shards[1]['file']} is corrupted.*repair"):
+        train(cfg)
+    assert repair(store_dir) == [shards[1]["file"]]
+    assert not (store_dir / "manifest.json").exists()
+    run_precompute(cfg)  # redoes the dropped shard's samples only
+    store = Store(store_dir)
+    store.verify()
+    assert store.manifest["num_samples"] == sum(s["samples"] for s in shards)
+    assert train(cfg).exists()
