@@ -204,7 +204,7 @@ class CausalLM(nn.Module):
                 entering[i] = x
             x = self.packed_layer(layer, x, cos, sin, cu_seqlens, max_len)
         logits = None if logits_at is None else self.logits(x[logits_at])
-        return widened(x, entering, capture), logits
+        return widened(x, entering, capture, len(self.layers)), logits
 
     def new_cache(self, batch: int, max_len: int):
         w = self.embed_tokens.weight
@@ -225,17 +225,22 @@ class CausalLM(nn.Module):
             if i in capture:
                 entering[i] = x
             x = self.cached_layer(layer, x, cos, sin, *cache.layer(i), slots, mask)
-        return widened(x, entering, capture)
+        return widened(x, entering, capture, len(self.layers))
 
 
-def widened(last: torch.Tensor, entering: dict[int, torch.Tensor], capture: tuple[int, ...]) -> torch.Tensor:
+def widened(
+    last: torch.Tensor, entering: dict[int, torch.Tensor], capture: tuple[int, ...], layers: int
+) -> torch.Tensor:
     """The last layer's state, then the states named by `capture` concatenated along features:
-    id k is the residual stream entering layer k (0: the embeddings; the number of layers: the last
-    layer's output), Hugging Face's `hidden_states[k]` before any final norm, as vLLM and the EAGLE
+    id k is the residual stream entering layer k (0: the embeddings), Hugging Face's
+    `hidden_states[k]`, as vLLM and the EAGLE
     reference number EAGLE-3's auxiliary layers. The first H columns stay the last layer's state."""
     if not capture:
         return last
-    return torch.cat([last] + [entering.get(k, last) for k in capture], -1)
+    missing = [k for k in capture if k not in entering]
+    if missing:
+        raise ValueError(f"capture: {missing} are not layers of this target (ids 0 … {layers - 1})")
+    return torch.cat([last] + [entering[k] for k in capture], -1)
 
 
 def packed_layer_forward(layer: nn.Module, x, cos, sin, cu_seqlens, max_len: int) -> torch.Tensor:

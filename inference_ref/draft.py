@@ -33,6 +33,7 @@ from inference_ref.head_spec import (
     SHARED,
     WEIGHTS,
     HeadSpec,
+    check_aux_layers,
     check_head_fits_target,
     output_state,
     project,
@@ -149,6 +150,8 @@ def load_draft(path: str | Path, target: TargetModel) -> MTPDraft:
     config = json.loads((path / CONFIG).read_text())
     spec = HeadSpec.from_config(config, f"{path / CONFIG}")
     check_head_fits_target(config, target.cfg)
+    if spec.kind.reads_aux:  # the layers it reads must be this target's
+        check_aux_layers(spec.aux_layers, target.cfg.num_hidden_layers, f"{path / CONFIG}: aux_layers")
     tensors = load_file(str(path / WEIGHTS))
     for name, shared in config.get("shared_with_target", {}).items():
         if not shared and f"{name}.weight" not in tensors:

@@ -213,9 +213,10 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 
 
 def check_aux_layers(layers: tuple[int, ...], num_layers: int, field: str) -> None:
-    if not layers or list(layers) != sorted(set(layers)) or not all(0 <= k <= num_layers for k in layers):
+    # Entering-layer ids below L: vLLM captures a state before running layer idx < L, so L is none.
+    if not layers or list(layers) != sorted(set(layers)) or not all(0 <= k < num_layers for k in layers):
         raise ValueError(
-            f"{field}: {list(layers)} must be increasing distinct layer ids in 0 … {num_layers} "
+            f"{field}: {list(layers)} must be increasing distinct layer ids in 0 … {num_layers - 1} "
             "(the states entering those layers; the default is 2, L/2, L − 3)"
         )
 

@@ -27,22 +27,10 @@ __all__ = [
     "KINDS",
     "TargetConfig",
     "TargetModel",
-    "config_from_hf",
     "read_target_config",
     "load_target",
     "frozen_target_tensors",
-    "target_kind",
 ]
-
-
-def target_kind(hf: dict) -> str:
-    """The kind of a Hugging Face config dict, refusing the ones this project does not run."""
-    kind_of(hf.get("model_type"))
-    return hf["model_type"]
-
-
-def config_from_hf(hf: dict) -> TargetConfig:
-    return kind_of(hf.get("model_type")).config.from_hf(hf)
 
 
 def read_target_config(path: str | Path) -> TargetConfig:

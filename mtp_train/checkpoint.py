@@ -91,4 +91,5 @@ def load(acc: Accelerator, ckpt: Path, head, optimizer, scheduler) -> int:
 
 
 def _named_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}
+    """Parameters and persistent buffers (an eagle3 head's d2t): what `load_state_dict` restores."""
+    return {n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()}

@@ -131,7 +131,7 @@ class PrecomputeConfig:
     """Tokens per packed forward batch."""
     shard_tokens: int = 262_144
     """Tokens per shard file (closed at the first sample boundary past this); a rank holds up to
-    three shards in host memory (≈ 6 GiB at hidden size 4096 in bf16)."""
+    three shards in host memory (≈ 6 GiB at hidden size 4096 in bf16; (1 + 3)× that with `aux`)."""
     hidden_dtype: str = "bf16"
     """Stored hidden-state dtype: `bf16`, or `fp8` (e4m3 with a per-token scale)."""
     aux: bool = False

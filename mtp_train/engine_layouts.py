@@ -227,7 +227,7 @@ def eagle3_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity:
 # ---------------------------------------------------------------------------------------------
 # vLLM's speculators format (`speculators_model_type: eagle3`), as the `speculators` package 0.9.0
 # reads it (speculators/models/eagle3/config.py `Eagle3SpeculatorConfig`, core.py `Eagle3DraftModel`;
-# tests/test_speculators.py loads our export with it) and vLLM translates it
+# tests/test_eagle3.py loads our export with it) and vLLM translates it
 # (vllm/transformers_utils/configs/speculators/algos.py @ cfb173ab8e1b8e44dd35f8b5188255b6a03e13ec
 # `update_eagle3`: draft_vocab_size, target_hidden_size, norm_before_residual (default TRUE when
 # absent, so it is always written), eagle_aux_hidden_state_layer_ids; base.py

@@ -295,8 +295,8 @@ class HostBatch:
     lengths: list[int]
     input_ids: torch.Tensor  # [T] int32
     loss_mask: torch.Tensor  # [T] uint8
-    hidden: torch.Tensor  # [T, H] bf16 or e4m3
-    hidden_scale: torch.Tensor | None  # [T] (fp8)
+    hidden: torch.Tensor  # [T, L·H] bf16 or e4m3 (L = 1 + aux layers)
+    hidden_scale: torch.Tensor | None  # [T] or [T, L] (fp8)
     sq_err: torch.Tensor | None  # [T] Σ_h (dequantized − bf16)² (fp8)
     sq_ref: torch.Tensor | None  # [T] Σ_h bf16² (fp8)
     copied: torch.cuda.Event | None  # set once the device → host copies are done

@@ -107,8 +107,8 @@ class Record:
     sample_id: int
     input_ids: torch.Tensor  # [n] integer
     loss_mask: torch.Tensor  # [n] bool or uint8
-    hidden: torch.Tensor  # [n, H] bf16, or e4m3 with hidden_scale
-    hidden_scale: torch.Tensor | None = None  # [n] fp32, fp8 only
+    hidden: torch.Tensor  # [n, L·H] bf16, or e4m3 with hidden_scale (L = 1 + aux layers)
+    hidden_scale: torch.Tensor | None = None  # [n] (L = 1) or [n, L] fp32, fp8 only
     sq_err: float = 0.0  # Σ (dequantized − bf16)² over the sample (fp8 only)
     sq_ref: float = 0.0  # Σ bf16² over the sample (fp8 only)
 

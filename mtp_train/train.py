@@ -163,6 +163,17 @@ def train_step(t: Training, batches: Iterator[DraftBatch]) -> tuple[list, torch.
     return stats, grad_norm, waited
 
 
+def check_same_buffers(built: dict[str, torch.Tensor], head: MTPHead, ckpt: Path, store: Store) -> None:
+    """A head's persistent buffers (an eagle3 head's draft vocabulary, counted from the store) as
+    built now must be those the checkpoint was trained with: its frozen lm_head rows follow them."""
+    for name, tensor in built.items():
+        if not torch.equal(tensor, head.get_buffer(name).to(tensor.device)):
+            raise ValueError(
+                f"checkpoint {ckpt} was trained with another {name} than store {store.path} gives "
+                "(another store?): resume with the store it was trained on, or another train.out_dir"
+            )
+
+
 class NonFiniteLoss(FloatingPointError):
     """Training stopped at a non-finite loss or gradient, before applying it."""
 
@@ -201,7 +212,9 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, Store, int]:
     start = 0
     last = checkpoint.latest(Path(tc.out_dir)) if tc.resume else None
     if last is not None:
+        built = {n: b.clone() for n, b in head.named_buffers() if n in head.state_dict()}
         start = checkpoint.load(acc, last, t.objective, t.optimizer, t.scheduler)
+        check_same_buffers(built, head, last, store)
         acc.print(f"resumed from {last} at step {start}")
     return t, run, store, start
 

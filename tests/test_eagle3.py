@@ -311,3 +311,15 @@ def test_speculators_loads_our_export_and_computes_our_logits(pipeline, deep_tar
     theirs = captured[0][0]
     rel = ((theirs - ours).abs().max() / ours.abs().max()).item()
     assert rel <= 1e-4, rel
+
+
+def test_an_eagle3_run_resumes_from_its_checkpoint(deep_target, tmp_path):
+    """The checkpoint keeps the head's persistent buffers (d2t), and resuming checks the draft
+    vocabulary the store gives against the checkpoint's."""
+    cfg = config(eagle3_overrides(deep_target, tmp_path, "train.steps=4", "train.save_every=2"))
+    run_precompute(cfg)
+    train(cfg)
+    assert (tmp_path / "train" / "ckpt-0000004").exists()
+    train(config(eagle3_overrides(deep_target, tmp_path, "train.steps=6", "train.save_every=2")))
+    rows = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
