@@ -20,6 +20,10 @@ def safetensors_files(model_dir: Path) -> dict[str, Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
+        root = model_dir.resolve()
+        outside = sorted({f for f in weight_map.values() if root not in (model_dir / f).resolve().parents})
+        if outside:  # weights from elsewhere would also escape the target's fingerprint
+            raise ValueError(f"{index}: shard files outside the target directory: {outside}")
         return {name: model_dir / file for name, file in weight_map.items()}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

@@ -4,12 +4,18 @@ Without DeepSpeed everything is safetensors + JSON (nothing is unpickled on resu
 DeepSpeed the engine owns the (ZeRO-sharded) optimizer state, so accelerate's `save_state`
 writes DeepSpeed's own per-rank format. A checkpoint directory becomes visible only when complete
 (written under a temporary name, then renamed), so a killed run resumes from the last whole one.
+
+`state.json` records the sha256 of every file of the checkpoint and what the run was made with
+(the target, the store, the micro-batch plan): resuming takes the newest checkpoint whose files
+hash right (saying which it skipped and why) and refuses one made with another target, store or plan.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,9 +26,55 @@ from safetensors.torch import load_file, save_file
 PREFIX = "ckpt-"
 
 
-def latest(out_dir: Path) -> Path | None:
-    done = sorted(p for p in out_dir.glob(f"{PREFIX}*") if (p / "state.json").exists())
-    return done[-1] if done else None
+def latest(out_dir: Path, identity: dict | None = None, say: Callable[[str], None] = print) -> Path | None:
+    """The newest intact checkpoint in `out_dir` (None if there is none). A damaged one is skipped,
+    saying so; one made with another target, store or plan (`identity`) is refused."""
+    for ckpt in sorted(out_dir.glob(f"{PREFIX}*"), reverse=True):
+        problem = damage(ckpt)
+        if problem:
+            say(f"checkpoint {ckpt} is damaged ({problem}); falling back to the one before it")
+            continue
+        if identity is not None:
+            check_identity(ckpt, identity)
+        return ckpt
+    return None
+
+
+def damage(ckpt: Path) -> str | None:
+    """What is wrong with a checkpoint directory, or None: `state.json` readable and every file it
+    lists present with its sha256 (checkpoints written before the hashes are taken as they are)."""
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"state.json unreadable: {type(e).__name__}"
+    for name, sha in state.get("files", {}).items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if file_sha256(path) != sha:
+            return f"{name} does not match its sha256"
+    return None
+
+
+def check_identity(ckpt: Path, identity: dict) -> None:
+    made_with = json.loads((ckpt / "state.json").read_text()).get("identity")
+    if made_with is None:
+        return  # written before checkpoints recorded it
+    for part in ("target", "store", "plan"):
+        if made_with.get(part) != identity.get(part):
+            raise ValueError(
+                f"checkpoint {ckpt} was made with another {part} ({made_with.get(part)}; this run: "
+                f"{identity.get(part)}): an exact resume needs the same one. Use another train.out_dir, "
+                "or train.resume=false to start over"
+            )
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _deepspeed(acc: Accelerator) -> bool:
@@ -48,7 +100,9 @@ def _restore_optimizer(optimizer, tensors: dict[str, torch.Tensor], meta: dict) 
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def save(acc: Accelerator, out_dir: Path, step: int, head, optimizer, scheduler, keep: int = 2) -> Path:
+def save(
+    acc: Accelerator, out_dir: Path, step: int, head, optimizer, scheduler, identity: dict, keep: int = 2
+) -> Path:
     final = out_dir / f"{PREFIX}{step:07d}"
     tmp = out_dir / f".tmp-{PREFIX}{step:07d}"
     if acc.is_main_process:
@@ -65,8 +119,11 @@ def save(acc: Accelerator, out_dir: Path, step: int, head, optimizer, scheduler,
         (tmp / "optimizer.json").write_text(json.dumps(meta))
     acc.wait_for_everyone()
     if acc.is_main_process:
-        state = {"step": step, "scheduler": scheduler.state_dict()}
-        (tmp / "state.json").write_text(json.dumps(state))
+        files = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        state = {"step": step, "scheduler": scheduler.state_dict(), "files": files, "identity": identity}
+        (tmp / "state.json").write_text(json.dumps(state))  # last: it makes the checkpoint whole
+        if final.exists():  # a rerun reaching the same step, or a damaged leftover: replaced
+            shutil.rmtree(final)
         tmp.rename(final)
         for old in sorted(out_dir.glob(f"{PREFIX}*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -117,15 +117,28 @@ def _dataset_records(path: Path, ds: datasets.Dataset) -> Iterator[tuple[str, di
 def _json_records(path: Path) -> Iterator[tuple[str, dict]]:
     # Parsed here rather than by `datasets`: its JSON builder infers one Arrow schema per file and
     # fails on heterogeneous or malformed records without saying which line.
-    with path.open(encoding="utf-8") as f:
-        starts_array = f.read(4096).lstrip().startswith("[")
+    # Read as bytes and decoded line by line, so that a byte that is not UTF-8 is reported with its line.
+    with path.open("rb") as f:
+        starts_array = f.read(4096).lstrip().startswith(b"[")
         f.seek(0)
         if starts_array:
-            yield from _json_array(path, f.read())
+            yield from _json_array(path, _decoded(path, f.read()))
             return
-        for lineno, line in enumerate(f, 1):
+        for lineno, raw in enumerate(f, 1):
+            line = _decoded(f"{path}:{lineno}", raw)
             if line.strip():
                 yield f"{path}:{lineno}", _parse_object(f"{path}:{lineno}", line)
+
+
+def _decoded(source, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        where = f"{source}:{line}" if isinstance(source, Path) else str(source)
+        raise DataFormatError(
+            f"{where}: not UTF-8 (byte {raw[e.start : e.start + 1]!r} at offset {e.start}); re-encode the file as UTF-8"
+        ) from None
 
 
 def _json_array(path: Path, text: str) -> Iterator[tuple[str, dict]]:

@@ -226,10 +226,13 @@ def _size(n: float) -> str:
 def describe(manifest: dict) -> str:
     err = manifest["fp8_rel_rms_error"]
     quality = "" if err is None else f", fp8 relative RMS error {err:.2e}"
-    return (
-        f"{manifest['num_samples']:,} samples, {manifest['num_tokens']:,} tokens in "
-        f"{len(manifest['shards'])} shards{quality}"
+    c = manifest["data"]["counts"]
+    kept = (
+        f"{c['records']:,} records → {manifest['num_samples']:,} samples kept ({c['truncated']:,} truncated "
+        f"to data.max_seq_len, {c['dropped']:,} dropped as over-long, {c['unsupervised']:,} without a "
+        f"supervised token)"
     )
+    return f"{kept}, {manifest['num_tokens']:,} tokens in {len(manifest['shards'])} shards{quality}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ with accumulation N·A, and a resumed run continues from its step number.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -120,6 +121,8 @@ class Training:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     tc: TrainConfig
+    identity: dict | None = None
+    """What the run was made with, recorded in its checkpoints (`run_identity`)."""
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -210,13 +213,28 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, Store, int]:
     check_store(store, head, run.target.identity)
     t = prepare_training(acc, head, tc)
     start = 0
-    last = checkpoint.latest(Path(tc.out_dir)) if tc.resume else None
+    identity = run_identity(run, store, tc, acc.num_processes)
+    last = checkpoint.latest(Path(tc.out_dir), identity, acc.print) if tc.resume else None
     if last is not None:
         built = {n: b.clone() for n, b in head.named_buffers() if n in head.state_dict()}
         start = checkpoint.load(acc, last, t.objective, t.optimizer, t.scheduler)
         check_same_buffers(built, head, last, store)
         acc.print(f"resumed from {last} at step {start}")
+    t.identity = identity
     return t, run, store, start
+
+
+def run_identity(run: Run, store: Store, tc: TrainConfig, world: int) -> dict:
+    """What an exact resume needs unchanged, recorded in every checkpoint: the target, the store and
+    the micro-batch plan (budget, seed, micro-batches per optimizer step across processes)."""
+    shards = hashlib.sha256("".join(s["sha256"] for s in store.manifest["shards"]).encode()).hexdigest()[:16]
+    target = {k: run.target.identity[k] for k in ("config_hash", "weights_hash", "tokenizer_hash")}
+    plan = {
+        "tokens_per_micro_batch": tc.tokens_per_micro_batch,
+        "seed": tc.seed,
+        "micro_batches": tc.grad_accum * world,
+    }
+    return {"target": target, "store": shards, "plan": plan}
 
 
 def train(cfg: RunConfig) -> Path:
@@ -252,7 +270,7 @@ class Hooks:
     def after_step(self, done: int, progress: Progress) -> None:
         tc, t, identity = self.cfg.train, self.t, self.run.target.identity
         if tc.save_every and (done % tc.save_every == 0 or done == tc.steps):
-            checkpoint.save(t.acc, self.out_dir, done, t.objective, t.optimizer, t.scheduler)
+            checkpoint.save(t.acc, self.out_dir, done, t.objective, t.optimizer, t.scheduler, t.identity)
         if tc.export_every and done % tc.export_every == 0 and done != tc.steps:
             export_head(t.acc, t.objective, self.out_dir / f"head-step{done:07d}", identity, self.cfg, done)
         spec = done in tc.spec_validate_at

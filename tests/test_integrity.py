@@ -120,3 +120,64 @@ def test_a_damaged_store_stops_training_until_repaired(tiny_target, tmp_path):
     store.verify()
     assert store.manifest["num_samples"] == sum(s["samples"] for s in shards)
     assert train(cfg).exists()
+
+
+def test_resume_falls_back_past_damaged_checkpoints_and_refuses_another_plan(tiny_target, tmp_path, capsys):
+    extra = ("train.save_every=2", "data.max_samples=16")
+    cfg = config(tiny(tiny_target, tmp_path, "train.steps=4", *extra))
+    run_precompute(cfg)
+    train(cfg)
+    out = tmp_path / "train"
+    assert [p.name for p in sorted(out.glob("ckpt-*"))] == ["ckpt-0000002", "ckpt-0000004"]
+    weights = out / "ckpt-0000004" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8:] = bytes(8)  # bit flips in the latest checkpoint's weights
+    weights.write_bytes(bytes(data))
+    more = config(tiny(tiny_target, tmp_path, "train.steps=6", *extra))
+    capsys.readouterr()
+    train(more)
+    printed = capsys.readouterr().out
+    assert "ckpt-0000004 is damaged (model.safetensors does not match its sha256)" in printed
+    assert "resumed from" in printed and "ckpt-0000002 at step 2" in printed
+    # A final-named checkpoint that lost its state.json never blocks a rerun.
+    (out / "ckpt-0000006" / "state.json").unlink()
+    capsys.readouterr()
+    train(more)
+    assert "ckpt-0000006 is damaged (state.json unreadable" in capsys.readouterr().out
+    assert (out / "ckpt-0000006" / "state.json").exists()  # written again over the leftover
+    with pytest.raises(ValueError, match="another plan"):
+        train(
+            config(tiny(tiny_target, tmp_path, "train.steps=8", "train.tokens_per_micro_batch=256", *extra))
+        )
+
+
+def test_input_errors_name_the_file_and_line(tmp_path, tiny_target):
+    from mtp_train.data import DataFormatError, iter_records
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"question": "a", "answer": "b"}\n{"question": "caf\xe9", "answer": "x"}\n')
+    with pytest.raises(DataFormatError, match=r"bad.jsonl:2: not UTF-8"):
+        list(iter_records(bad))
+    array = tmp_path / "bad.json"
+    array.write_bytes(b'[\n{"question": "a", "answer": "b"},\n{"question": "\xff"}\n]')
+    with pytest.raises(DataFormatError, match=r"bad.json:3: not UTF-8"):
+        list(iter_records(array))
+
+
+def test_a_shard_index_pointing_outside_the_target_is_refused(tmp_path):
+    import json
+
+    from inference_ref.loading import safetensors_files
+
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "../other/model.safetensors"}})
+    )
+    with pytest.raises(ValueError, match="outside the target directory"):
+        safetensors_files(tmp_path)
+
+
+def test_precompute_reports_what_it_kept(tiny_target, tmp_path, capsys):
+    cfg = config(tiny(tiny_target, tmp_path, "data.max_seq_len=64", "data.overlong=drop"))
+    run_precompute(cfg)
+    printed = capsys.readouterr().out
+    assert "16 records →" in printed and "dropped as over-long" in printed
