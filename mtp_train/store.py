@@ -131,7 +131,27 @@ class Journal:
         complete = data[: data.rfind(b"\n") + 1]
         if complete != data:  # a line torn by a crash mid-append: its shard is not committed
             os.truncate(self.path, len(complete))
-        return [json.loads(line) for line in complete.splitlines()]
+        return [self._entry(lineno, line) for lineno, line in enumerate(complete.splitlines(), 1)]
+
+    def _entry(self, lineno: int, line: bytes) -> dict:
+        """One journaled shard, refused (before anything is deleted) if the line is damaged."""
+        try:
+            entry = json.loads(line)
+            if entry["file"] != shard_name(entry["rank"], entry["index"]) or not isinstance(
+                entry["sha256"], str
+            ):
+                raise ValueError("fields disagree")
+            return entry
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"{self.path}:{lineno}: damaged journal line ({type(e).__name__}); delete that line "
+                "and rerun precompute: its shard's samples are computed again"
+            ) from None
+
+    def rewrite(self, entries: list[dict]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(e) + "\n" for e in entries))
+        os.replace(tmp, self.path)
 
     def append(self, entry: dict) -> None:
         with open(self.path, "a") as f:
@@ -163,6 +183,7 @@ class ShardWriter:
         self.journal = Journal(self.dir / f"journal-{rank:05d}.jsonl")
         self.shards = self.journal.read()
         self._discard_uncommitted()
+        self._drop_damaged()
         # Shards commit out of order, so after a crash the journal may have gaps: continue past the last.
         self.next_index = max((e["index"] for e in self.shards), default=-1) + 1
         self.pending: list[Record] = []
@@ -183,6 +204,17 @@ class ShardWriter:
                 raise FileNotFoundError(
                     f"{self.dir / name}: journaled shard is missing; the store is damaged"
                 )
+
+    def _drop_damaged(self) -> None:
+        """A resumed rank re-hashes its journaled shards: one damaged since it was written leaves the
+        journal and is computed again, rather than being published in the manifest unchecked."""
+        damaged = [e for e in self.shards if _file_sha256(self.dir / e["file"]) != e["sha256"]]
+        for entry in damaged:
+            print(f"precompute rank {self.rank}: {entry['file']} is damaged; its samples are computed again")
+            (self.dir / entry["file"]).unlink()
+        if damaged:
+            self.shards = [e for e in self.shards if e not in damaged]
+            self.journal.rewrite(self.shards)
 
     def done_ids(self) -> set[int]:
         """Sample ids already in this rank's committed shards."""
@@ -282,6 +314,14 @@ def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metada
             f.flush()
             os.fsync(f.fileno())
     return sha.result(), sum(b.nbytes for b in blocks)
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _sha256(blocks: list[memoryview]) -> str:
@@ -459,14 +499,8 @@ class Store:
         return [st.st_size, st.st_mtime_ns, shard["sha256"]]
 
     def _shard_sha(self, shard: dict) -> str:
-        h = hashlib.sha256()
         path = self.path / shard["file"]
-        if not path.exists():
-            return "missing"
-        with open(path, "rb") as f:
-            while block := f.read(1 << 24):
-                h.update(block)
-        return h.hexdigest()
+        return _file_sha256(path) if path.exists() else "missing"
 
     def check_target(self, identity: dict) -> None:
         """Raise ValueError if this store was made with another target, tokenizer or chat template."""
@@ -484,13 +518,12 @@ def repair(store_dir: str | Path) -> list[str]:
     manifest = json.loads((store_dir / "manifest.json").read_text())
     store = Store(store_dir)
     damaged = [s["file"] for s in manifest["shards"] if store._shard_sha(s) != s["sha256"]]
-    for journal in store_dir.glob("journal-*.jsonl"):
-        lines = journal.read_text().splitlines()
-        kept = [line for line in lines if json.loads(line)["file"] not in damaged]
-        if len(kept) != len(lines):
-            tmp = journal.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, journal)
+    for path in store_dir.glob("journal-*.jsonl"):
+        journal = Journal(path)
+        entries = journal.read()
+        kept = [e for e in entries if e["file"] not in damaged]
+        if len(kept) != len(entries):
+            journal.rewrite(kept)
     for name in damaged:
         (store_dir / name).unlink(missing_ok=True)
     if damaged:

@@ -18,6 +18,7 @@ from mtp_train.store import (
     dequantize_fp8,
     merge_manifests,
     quantize_fp8,
+    read_shard,
     shard_name,
 )
 from mtp_train.targets import target_identity, write_random_target
@@ -192,15 +193,48 @@ def test_resume_continues_past_a_gap_in_the_journal(tmp_path):
     assert sorted(Store(tmp_path).sample_ids.tolist()) == list(range(12))
 
 
+def journal_entry(index: int) -> dict:
+    return {"file": shard_name(0, index), "rank": 0, "index": index, "sha256": f"{index:064x}"}
+
+
 def test_journal_drops_only_a_torn_last_line(tmp_path):
     journal = Journal(tmp_path / "j.jsonl")
-    journal.append({"a": 1})
-    journal.append({"a": 2})
+    journal.append(journal_entry(1))
+    journal.append(journal_entry(2))
     with open(journal.path, "a") as f:
-        f.write('{"a": 3')
-    assert journal.read() == [{"a": 1}, {"a": 2}]
-    journal.append({"a": 4})
-    assert journal.read() == [{"a": 1}, {"a": 2}, {"a": 4}]
+        f.write('{"file": 3')
+    assert journal.read() == [journal_entry(1), journal_entry(2)]
+    journal.append(journal_entry(4))
+    assert journal.read() == [journal_entry(1), journal_entry(2), journal_entry(4)]
+
+
+def test_a_damaged_journal_line_is_refused_before_anything_is_deleted(tmp_path):
+    writer = ShardWriter(tmp_path, rank=0, shard_tokens=10)
+    for r in make_records(3):
+        writer.add(r)
+    writer.wait()
+    lines = writer.journal.path.read_text().splitlines()
+    lines[0] = lines[0].replace(shard_name(0, 0), shard_name(0, 7))  # garbled: file and index disagree
+    writer.journal.path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"journal-00000.jsonl:1: damaged journal line"):
+        ShardWriter(tmp_path, rank=0, shard_tokens=10)
+    assert (tmp_path / shard_name(0, 0)).exists()  # the genuine shard is still there
+
+
+def test_a_resumed_rank_recomputes_a_shard_damaged_since_it_was_journaled(tmp_path):
+    writer = ShardWriter(tmp_path, rank=0, shard_tokens=10)
+    records = make_records(3)
+    for r in records:
+        writer.add(r)
+    writer.wait()
+    victim = tmp_path / shard_name(0, 0)
+    lost = {int(i) for i in read_shard(victim)["sample_ids"]}
+    data = bytearray(victim.read_bytes())
+    data[-4:] = bytes(4)
+    victim.write_bytes(bytes(data))
+    resumed = ShardWriter(tmp_path, rank=0, shard_tokens=10)
+    assert shard_name(0, 0) not in {e["file"] for e in resumed.shards} and not victim.exists()
+    assert resumed.done_ids() == {r.sample_id for r in records} - lost
 
 
 def test_missing_journaled_shard_is_an_error(tmp_path):
