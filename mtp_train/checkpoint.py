@@ -16,6 +16,7 @@ import hashlib
 import json
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -135,7 +136,8 @@ def load(acc: Accelerator, ckpt: Path, head, optimizer, scheduler) -> int:
     """Restore everything from `ckpt`; returns the step to continue from."""
     state = json.loads((ckpt / "state.json").read_text())
     if _deepspeed(acc):
-        acc.load_state(str(ckpt))
+        with weights_only_loads():
+            acc.load_state(str(ckpt))
     else:
         model = acc.unwrap_model(head)
         params = load_file(str(ckpt / "model.safetensors"))
@@ -145,6 +147,30 @@ def load(acc: Accelerator, ckpt: Path, head, optimizer, scheduler) -> int:
         _restore_optimizer(optimizer, tensors, json.loads((ckpt / "optimizer.json").read_text()))
     scheduler.load_state_dict(state["scheduler"])
     return state["step"]
+
+
+@contextmanager
+def weights_only_loads():
+    """Every `torch.load` inside as `weights_only=True`: DeepSpeed's checkpoint engine asks for
+    `weights_only=False`, with which a crafted checkpoint runs code on resume. Only the DeepSpeed
+    classes its ZeRO checkpoints hold (loss scaler, stage enum, fragment addresses) are allowed."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    original = torch.load
+
+    def load(*args, **kwargs):
+        return original(*args, **{**kwargs, "weights_only": True})
+
+    torch.load = load
+    try:
+        with torch.serialization.safe_globals(
+            [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+        ):
+            yield
+    finally:
+        torch.load = original
 
 
 def _named_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -412,7 +412,11 @@ class Store:
         manifest_path = self.path / "manifest.json"
         if not manifest_path.exists():
             raise FileNotFoundError(f"{manifest_path}: no manifest (precompute has not finished; rerun it)")
-        self.manifest = json.loads(manifest_path.read_text())
+        try:
+            self.manifest = json.loads(manifest_path.read_text())
+            self.manifest["shards"], self.manifest["num_samples"]  # noqa: B018 (the fields every reader needs)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{manifest_path}: damaged ({type(e).__name__}: {e}); {REPAIR}") from None
         self._shard_starts = np.cumsum([0] + [s["samples"] for s in self.manifest["shards"]])
 
     def __len__(self) -> int:

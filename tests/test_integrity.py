@@ -181,3 +181,38 @@ def test_precompute_reports_what_it_kept(tiny_target, tmp_path, capsys):
     run_precompute(cfg)
     printed = capsys.readouterr().out
     assert "16 records →" in printed and "dropped as over-long" in printed
+
+
+def test_a_manifest_missing_a_shard_or_unreadable_is_refused(tiny_target, tmp_path):
+    import json
+
+    cfg = config(tiny(tiny_target, tmp_path, "train.steps=1", "precompute.shard_tokens=1024"))
+    store_dir = run_precompute(cfg)
+    manifest = json.loads((store_dir / "manifest.json").read_text())
+    manifest["shards"] = manifest["shards"][1:]  # one shard's entry deleted, the count kept
+    (store_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="manifest is damaged"):
+        Store(store_dir).verify()
+    (store_dir / "manifest.json").write_text('{"shards": [')
+    with pytest.raises(ValueError, match=r"manifest.json: damaged \(JSONDecodeError"):
+        Store(store_dir)
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("this ran on load",))
+
+
+def test_deepspeed_checkpoints_are_read_without_running_code(tmp_path, capsys):
+    """DeepSpeed's engine asks torch.load for weights_only=False; inside `weights_only_loads` a
+    crafted checkpoint is refused instead of run (GPU round trip: benchmarks/deepspeed_resume_check.sh)."""
+    import pickle
+
+    from mtp_train.checkpoint import weights_only_loads
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "payload": Payload()}, path)
+    with weights_only_loads(), pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=False)
+    assert "this ran on load" not in capsys.readouterr().out
+    assert torch.load(path, weights_only=False)["module"] == {}  # outside, torch.load is itself again
