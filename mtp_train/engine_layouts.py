@@ -203,9 +203,11 @@ def eagle3_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity:
     embeddings are the target's in all three (not written)."""
     _require_eagle3(spec, "eagle3")
     t = spec.target
-    layer = {k: v for k, v in t.to_hf().items() if k not in ("bos_token_id", "eos_token_id")}
+    dropped = ("bos_token_id", "eos_token_id", "use_sliding_window")  # the target's, not the draft layer's
+    layer = {k: v for k, v in t.to_hf().items() if k not in dropped}
     config = {
         **layer,
+        "model_type": "llama",  # the draft layer is a Llama layer whatever the target (Qwen3 too)
         "architectures": ["LlamaForCausalLMEagle3"],
         "num_hidden_layers": 1,
         "draft_vocab_size": spec.vocab,

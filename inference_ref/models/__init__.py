@@ -18,9 +18,9 @@ from torch import nn
 
 from inference_ref.causal_lm import CausalLM, KVCache
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD
-from inference_ref.models import deepseek_v2, llama
+from inference_ref.models import deepseek_v2, llama, qwen3
 
-Config = llama.LlamaConfig | deepseek_v2.DeepseekV2Config
+Config = llama.LlamaConfig | qwen3.Qwen3Config | deepseek_v2.DeepseekV2Config
 Cache = KVCache | deepseek_v2.LatentCache
 
 
@@ -59,6 +59,17 @@ KINDS: dict[str, TargetKind] = {
         llama.fuse_head_layer,
         ("dense",),
         llama.TINY,
+    ),
+    qwen3.Qwen3Config.model_type: TargetKind(
+        qwen3.Qwen3Config,
+        qwen3.Qwen3Model,
+        qwen3.load_qwen3,
+        qwen3.random_qwen3,
+        qwen3.hf_state_dict,
+        qwen3.head_layer,
+        qwen3.fuse_head_layer,
+        ("dense",),
+        qwen3.TINY,
     ),
     deepseek_v2.DeepseekV2Config.model_type: TargetKind(
         deepseek_v2.DeepseekV2Config,

@@ -189,13 +189,17 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [.., heads, d], k and v [.., kv_heads, d] before rotary (a kind may normalize them here)."""
         q, k, v = self.qkv_proj(x).split(
             [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], -1
         )
         q = q.unflatten(-1, (self.n_heads, self.head_dim))
         k = k.unflatten(-1, (self.n_kv, self.head_dim))
-        v = v.unflatten(-1, (self.n_kv, self.head_dim))
+        return q, k, v.unflatten(-1, (self.n_kv, self.head_dim))
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q, k, v = self.heads(x)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward_packed(self, x, cos, sin, cu_seqlens, max_len):
@@ -226,10 +230,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, attention: type[Attention] = Attention):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -267,9 +271,14 @@ def fuse_layer(hf: dict[str, torch.Tensor], p: str, q: str) -> dict[str, torch.T
         q + "mlp.down_proj.weight": hf[p + "mlp.down_proj.weight"],
         q + "post_attention_layernorm.weight": hf[p + "post_attention_layernorm.weight"],
     }
-    if p + "input_layernorm.weight" in hf:
-        out[q + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+    for name in ("input_layernorm.weight", *EXTRA_LAYER_TENSORS):  # those the checkpoint has
+        if p + name in hf:
+            out[q + name] = hf[p + name]
     return out
+
+
+# Per-layer tensors a Llama-family kind may add, loaded under their own names (Qwen3's q/k norms).
+EXTRA_LAYER_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
 def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
@@ -310,15 +319,17 @@ def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
                 p + "post_attention_layernorm.weight": sd[q + "post_attention_layernorm.weight"],
             }
         )
+        out.update({p + n: sd[q + n] for n in EXTRA_LAYER_TENSORS if q + n in sd})
     return out
 
 
 def build_model(
-    cfg: LlamaConfig, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32
+    cfg: LlamaConfig, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32, model_class=None
 ) -> LlamaModel:
-    """Assemble a model from a fused state dict without allocating random weights first."""
+    """Assemble a model (`LlamaModel`, or a Llama-family kind's `model_class`) from a fused state dict
+    without allocating random weights first."""
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = (model_class or LlamaModel)(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -341,11 +352,13 @@ def load_llama(path: str | Path, device="cpu", dtype=torch.float32) -> LlamaMode
     return build_model(cfg, fuse_hf_state_dict(hf, cfg), device, dtype)
 
 
-def random_llama(cfg: LlamaConfig, device="cpu", dtype=torch.float32, seed: int = 0) -> LlamaModel:
+def random_llama(
+    cfg: LlamaConfig, device="cpu", dtype=torch.float32, seed: int = 0, model_class=None
+) -> LlamaModel:
     """Random weights at a given shape (benchmarks, tiny test targets)."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaModel(cfg)
+        model = (model_class or LlamaModel)(cfg)
     init_random(model)
     model.to(dtype=dtype)
     return model.eval().requires_grad_(False)  # inference only: outputs never need autograd

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from mtp_train.heads import deepseek_v2, llama
+from mtp_train.heads import deepseek_v2, llama, qwen3
 
 
 class HeadLayerKind(NamedTuple):
@@ -24,6 +24,7 @@ class HeadLayerKind(NamedTuple):
 
 LAYER_KINDS: dict[str, HeadLayerKind] = {
     "llama": HeadLayerKind(llama.HeadAttention, llama.native_block),
+    "qwen3": HeadLayerKind(qwen3.Qwen3HeadAttention, qwen3.native_block),
     "deepseek_v2": HeadLayerKind(
         deepseek_v2.LatentHeadAttention, deepseek_v2.native_block, deepseek_v2.HeadMoE
     ),
