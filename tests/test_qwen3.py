@@ -1,6 +1,7 @@
-"""Qwen3 targets: parity with transformers' Qwen3ForCausalLM on tiny random configs (fp32), greedy
-decoding, and a head trained, validated and exported on one — the kind added as one module
-(`inference_ref/models/qwen3.py`), one registry entry and one training-layer module."""
+"""Qwen3 and Qwen3-MoE targets: parity with transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM on
+tiny random configs (fp32), greedy decoding, and heads trained, validated and exported on them — each
+kind added as one module (`inference_ref/models/qwen3.py`, `qwen3_moe.py`), one registry entry and
+one training-layer table line."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from hydra import compose, initialize_config_dir
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.generate import generate
 from inference_ref.models import KINDS
-from inference_ref.models.qwen3 import Qwen3Config, load_qwen3, random_qwen3
+from inference_ref.models.qwen3 import Qwen3Config, random_qwen3
+from inference_ref.models.qwen3_moe import Qwen3MoeConfig
 from inference_ref.target import load_target, read_target_config
 from mtp_train.export import export
 from mtp_train.precompute import run_precompute
@@ -30,6 +32,15 @@ CONFIGS = {
     "untied-mha": Qwen3Config(
         vocab_size=256, **{**KINDS["qwen3"].tiny, "tie_word_embeddings": False, "num_key_value_heads": 4}
     ),
+    # Qwen3-MoE: a dense layer 0 (mlp_only_layers) then 8 experts, top 2, renormalized or not.
+    "moe": Qwen3MoeConfig(vocab_size=256, **KINDS["qwen3_moe"].tiny),
+    "moe-unnormalized": Qwen3MoeConfig(
+        vocab_size=256, **{**KINDS["qwen3_moe"].tiny, "norm_topk_prob": False, "mlp_only_layers": ()}
+    ),
+}
+HF_CLASSES = {
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
+    "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig),
 }
 
 
@@ -40,14 +51,20 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture(params=list(CONFIGS))
 def twins(request, tmp_path):
     """transformers' Qwen3ForCausalLM with random weights, saved and loaded back by our loader."""
+    cfg = CONFIGS[request.param]
+    model_class, config_class = HF_CLASSES[cfg.model_type]
     torch.manual_seed(0)
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**CONFIGS[request.param].to_hf())).eval()
-    with torch.no_grad():  # norms off 1, so that a missing q/k norm shows
+    hf = model_class(config_class(**cfg.to_hf())).eval()
+    with torch.no_grad():  # norms off 1, so that a missing q/k norm shows; experts and router not tiny
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.2)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.05)
     hf.save_pretrained(tmp_path)
-    return hf, load_qwen3(tmp_path)
+    model = load_target(tmp_path)  # the kind from config.json's model_type
+    assert model.cfg == cfg
+    return hf, model
 
 
 def test_qwen3_matches_transformers(twins):
@@ -98,9 +115,17 @@ def test_unsupported_qwen3_options_are_refused():
 EAGLE3 = ("precompute.aux=true", "model.aux_layers=[0,1]", "export.formats=[native,eagle3,speculators]")
 
 
-@pytest.mark.parametrize("variant", ["rmsnorm-restored", "eagle1", "eagle3"])
-def test_a_head_trains_validates_and_exports_on_a_qwen3_target(smollm2, tmp_path, variant):
-    target = write_random_target(tmp_path / "target", smollm2, seed=0, kind="qwen3")
+@pytest.mark.parametrize(
+    "kind, variant",
+    [
+        ("qwen3", "rmsnorm-restored"),
+        ("qwen3", "eagle1"),
+        ("qwen3", "eagle3"),
+        ("qwen3_moe", "rmsnorm-restored"),
+    ],
+)
+def test_a_head_trains_validates_and_exports_on_a_qwen3_target(smollm2, tmp_path, kind, variant):
+    target = write_random_target(tmp_path / "target", smollm2, seed=0, kind=kind)
     overrides = [
         "model=tiny_random",
         f"model.target={target}",
@@ -134,7 +159,8 @@ def test_a_head_trains_validates_and_exports_on_a_qwen3_target(smollm2, tmp_path
     assert tf["parity_gap"]["ce"] < 1e-3 * max(1.0, tf["trainer"]["ce"])
     written = export(cfg)
     config_ = json.loads((written["native"] / "config.json").read_text())
-    assert config_["architecture"] == "Qwen3MTPHead" and config_["layer_config"]["model_type"] == "qwen3"
+    assert config_["layer_config"]["model_type"] == kind
+    assert config_["architecture"] == {"qwen3": "Qwen3MTPHead", "qwen3_moe": "Qwen3MoeMTPHead"}[kind]
     if variant == "eagle3":  # the engines' draft layer is a Llama layer on a Qwen3 target too
         engine = json.loads((written["eagle3"] / "config.json").read_text())
         assert engine["model_type"] == "llama" and engine["architectures"] == ["LlamaForCausalLMEagle3"]

@@ -18,9 +18,9 @@ from torch import nn
 
 from inference_ref.causal_lm import CausalLM, KVCache
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD
-from inference_ref.models import deepseek_v2, llama, qwen3
+from inference_ref.models import deepseek_v2, llama, qwen3, qwen3_moe
 
-Config = llama.LlamaConfig | qwen3.Qwen3Config | deepseek_v2.DeepseekV2Config
+Config = llama.LlamaConfig | qwen3.Qwen3Config | qwen3_moe.Qwen3MoeConfig | deepseek_v2.DeepseekV2Config
 Cache = KVCache | deepseek_v2.LatentCache
 
 
@@ -70,6 +70,17 @@ KINDS: dict[str, TargetKind] = {
         qwen3.fuse_head_layer,
         ("dense",),
         qwen3.TINY,
+    ),
+    qwen3_moe.Qwen3MoeConfig.model_type: TargetKind(
+        qwen3_moe.Qwen3MoeConfig,
+        qwen3_moe.Qwen3MoeModel,
+        qwen3_moe.load_qwen3_moe,
+        qwen3_moe.random_qwen3_moe,
+        qwen3_moe.hf_state_dict,
+        qwen3_moe.head_layer,
+        qwen3_moe.fuse_head_layer,
+        ("dense",),
+        qwen3_moe.TINY,
     ),
     deepseek_v2.DeepseekV2Config.model_type: TargetKind(
         deepseek_v2.DeepseekV2Config,

@@ -265,12 +265,12 @@ def fuse_layer(hf: dict[str, torch.Tensor], p: str, q: str) -> dict[str, torch.T
     out = {
         q + "self_attn.qkv_proj.weight": torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], 0),
         q + "self_attn.o_proj.weight": hf[p + "self_attn.o_proj.weight"],
-        q + "mlp.gate_up_proj.weight": torch.cat(
-            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], 0
-        ),
-        q + "mlp.down_proj.weight": hf[p + "mlp.down_proj.weight"],
         q + "post_attention_layernorm.weight": hf[p + "post_attention_layernorm.weight"],
     }
+    if p + "mlp.gate_proj.weight" in hf:  # a dense MLP (a MoE layer's experts are its kind's to fuse)
+        gate_up = [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]
+        out[q + "mlp.gate_up_proj.weight"] = torch.cat(gate_up, 0)
+        out[q + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
     for name in ("input_layernorm.weight", *EXTRA_LAYER_TENSORS):  # those the checkpoint has
         if p + name in hf:
             out[q + name] = hf[p + name]
@@ -305,20 +305,23 @@ def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
     for i in range(cfg.num_hidden_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         wq, wk, wv = sd[q + "self_attn.qkv_proj.weight"].split([q_rows, kv_rows, kv_rows])
-        gate, up = sd[q + "mlp.gate_up_proj.weight"].chunk(2)
         out.update(
             {
                 p + "self_attn.q_proj.weight": wq.contiguous(),
                 p + "self_attn.k_proj.weight": wk.contiguous(),
                 p + "self_attn.v_proj.weight": wv.contiguous(),
                 p + "self_attn.o_proj.weight": sd[q + "self_attn.o_proj.weight"],
-                p + "mlp.gate_proj.weight": gate.contiguous(),
-                p + "mlp.up_proj.weight": up.contiguous(),
-                p + "mlp.down_proj.weight": sd[q + "mlp.down_proj.weight"],
                 p + "input_layernorm.weight": sd[q + "input_layernorm.weight"],
                 p + "post_attention_layernorm.weight": sd[q + "post_attention_layernorm.weight"],
             }
         )
+        if q + "mlp.gate_up_proj.weight" in sd:  # a dense MLP (a MoE layer's are its kind's)
+            gate, up = sd[q + "mlp.gate_up_proj.weight"].chunk(2)
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = (
+                gate.contiguous(),
+                up.contiguous(),
+            )
+            out[p + "mlp.down_proj.weight"] = sd[q + "mlp.down_proj.weight"]
         out.update({p + n: sd[q + n] for n in EXTRA_LAYER_TENSORS if q + n in sd})
     return out
 

@@ -25,6 +25,7 @@ class HeadLayerKind(NamedTuple):
 LAYER_KINDS: dict[str, HeadLayerKind] = {
     "llama": HeadLayerKind(llama.HeadAttention, llama.native_block),
     "qwen3": HeadLayerKind(qwen3.Qwen3HeadAttention, qwen3.native_block),
+    "qwen3_moe": HeadLayerKind(qwen3.Qwen3HeadAttention, qwen3.native_block),  # a dense Qwen3 head layer
     "deepseek_v2": HeadLayerKind(
         deepseek_v2.LatentHeadAttention, deepseek_v2.native_block, deepseek_v2.HeadMoE
     ),
