@@ -65,6 +65,6 @@ def placed(state: dict[str, torch.Tensor], device, dtype) -> dict[str, torch.Ten
     def dtype_of(name: str, t: torch.Tensor) -> torch.dtype:
         if not t.is_floating_point():
             return t.dtype
-        return torch.float32 if name.endswith("router.weight") else dtype
+        return torch.float32 if ".router." in f".{name}" else dtype  # weight and V3's score bias
 
     return {k: v.to(device, dtype_of(k, v)) for k, v in state.items()}

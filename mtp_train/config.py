@@ -65,6 +65,9 @@ class ModelConfig:
     """MLP of the head's decoder layer on a DeepSeek-V2 target: `dense` (SwiGLU of the target's
     `intermediate_size`) or `moe` (the target's MoE block: router, routed and shared experts).
     Llama targets have only `dense`."""
+    init_from_target_mtp: bool = False
+    """Start the head from the MTP layer the target checkpoint ships (DeepSeek-V3/R1:
+    `model.layers.{num_hidden_layers}.*`) instead of from random weights; needs `head_mlp: moe`."""
     dtype: str = "auto"
     """Compute dtype for the target and the frozen lm_head: `auto` (bf16 on CUDA and on CPUs with
     native bf16 matrix units, else fp32), `bfloat16`, `float32`. Head parameters stay fp32."""

@@ -416,7 +416,8 @@ def deepseek_dense_block(hf: Mapping) -> Symbolic:
 
 def deepseek_moe_block(hf: Mapping) -> Symbolic:
     """A DeepSeek decoder layer with the target's MoE block, experts stacked (a native MoE head's layer)."""
-    return {**deepseek_attention_symbolic(hf), **DEEPSEEK_MOE, **DEEPSEEK_STACKED_EXPERTS}
+    noaux = DEEPSEEK_NOAUX if hf.get("topk_method") == "noaux_tc" else {}
+    return {**deepseek_attention_symbolic(hf), **DEEPSEEK_MOE, **noaux, **DEEPSEEK_STACKED_EXPERTS}
 
 
 def deepseek_layer_symbolic(hf: Mapping, layer: int) -> Symbolic:

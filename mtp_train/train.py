@@ -47,7 +47,12 @@ def build_head(
         if store is None:
             raise ValueError("an eagle3 head with a draft vocabulary needs the store to count tokens in")
         draft_ids = store.most_frequent_tokens(spec.draft_vocab_size, spec.target.vocab_size)
-    return build(spec, frozen, draft_ids)
+    head = build(spec, frozen, draft_ids)
+    if model.init_from_target_mtp:
+        from mtp_train.heads.deepseek_v2 import shipped_mtp_state
+
+        head.load_state_dict(shipped_mtp_state(target.dir, spec.target, spec.mlp), strict=True)
+    return head
 
 
 def check_store(store: Store, head: MTPHead, identity: dict) -> None:

@@ -18,9 +18,15 @@ from torch import nn
 
 from inference_ref.causal_lm import CausalLM, KVCache
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD
-from inference_ref.models import deepseek_v2, llama, qwen3, qwen3_moe
+from inference_ref.models import deepseek_v2, deepseek_v3, llama, qwen3, qwen3_moe
 
-Config = llama.LlamaConfig | qwen3.Qwen3Config | qwen3_moe.Qwen3MoeConfig | deepseek_v2.DeepseekV2Config
+Config = (
+    llama.LlamaConfig
+    | qwen3.Qwen3Config
+    | qwen3_moe.Qwen3MoeConfig
+    | deepseek_v2.DeepseekV2Config
+    | deepseek_v3.DeepseekV3Config
+)
 Cache = KVCache | deepseek_v2.LatentCache
 
 
@@ -92,6 +98,17 @@ KINDS: dict[str, TargetKind] = {
         deepseek_v2.fuse_head_layer,
         ("dense", "moe"),
         deepseek_v2.TINY,
+    ),
+    deepseek_v3.DeepseekV3Config.model_type: TargetKind(
+        deepseek_v3.DeepseekV3Config,
+        deepseek_v2.DeepseekV2Model,
+        deepseek_v3.load_deepseek_v3,
+        deepseek_v2.random_deepseek_v2,
+        deepseek_v2.hf_state_dict,
+        deepseek_v2.head_layer,
+        deepseek_v2.fuse_head_layer,
+        ("dense", "moe"),
+        deepseek_v3.TINY,
     ),
 }
 

@@ -3,13 +3,22 @@ the target's MoE block (optional), and the layer's native names and shapes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from inference_ref.causal_lm import RMSNorm
+from inference_ref.loading import read_tensors, safetensors_files
 from inference_ref.models import deepseek_v2 as ds
-from mtp_train.engine_layouts import Symbolic, deepseek_dense_block, deepseek_dims, deepseek_moe_block
+from mtp_train.engine_layouts import (
+    DEEPSEEK_RENAME,
+    Symbolic,
+    deepseek_dense_block,
+    deepseek_dims,
+    deepseek_moe_block,
+)
 from mtp_train.head_attention import Segments, head_attention
 from mtp_train.heads.llama import HeadMLP
 
@@ -81,3 +90,32 @@ def native_block(cfg: ds.DeepseekV2Config, mlp: str) -> tuple[Symbolic, dict[str
     hf = cfg.to_hf()
     full = deepseek_moe_block(hf) if mlp == "moe" else deepseek_dense_block(hf)
     return {n: s for n, s in full.items() if n != "input_layernorm.weight"}, deepseek_dims(hf)
+
+
+def shipped_mtp_state(target_dir, cfg: ds.DeepseekV2Config, mlp: str) -> dict[str, torch.Tensor]:
+    """The MTP layer a DeepSeek-V3 checkpoint ships (`model.layers.{num_hidden_layers}.*`: enorm,
+    hnorm, eh_proj, shared_head.norm and a decoder layer with the target's MoE) under the native
+    head's names, experts stacked: a head's starting point instead of random weights."""
+    n = cfg.num_hidden_layers
+    prefix = f"model.layers.{n}."
+    names = [k for k in safetensors_files(Path(target_dir)) if k.startswith(prefix)]
+    if not names:
+        raise ValueError(
+            f"{target_dir}: the checkpoint ships no MTP layer (no {prefix}* tensors): unset model.init_from_target_mtp"
+        )
+    if mlp != "moe":
+        raise ValueError(
+            "model.init_from_target_mtp: the shipped MTP layer has the target's MoE block: set model.head_mlp=moe"
+        )
+    shipped = {k[len(prefix) :]: v for k, v in read_tensors(Path(target_dir), names).items()}
+    native = {engine: name for name, engine in DEEPSEEK_RENAME.items()}
+    out = {}
+    for name, t in shipped.items():
+        if name in ("embed_tokens.weight", "shared_head.head.weight"):
+            continue  # the target's own, shared
+        if name.startswith("mlp.experts."):
+            continue  # stacked below
+        out[native.get(name, f"layer.{name}")] = t
+    stacked = ds.fuse_experts({f"{prefix}{k}": v for k, v in shipped.items()}, cfg, f"{prefix}mlp.experts.")
+    out.update({f"layer.mlp.experts.{k}": v for k, v in stacked.items()})
+    return out

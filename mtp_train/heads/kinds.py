@@ -29,4 +29,7 @@ LAYER_KINDS: dict[str, HeadLayerKind] = {
     "deepseek_v2": HeadLayerKind(
         deepseek_v2.LatentHeadAttention, deepseek_v2.native_block, deepseek_v2.HeadMoE
     ),
+    "deepseek_v3": HeadLayerKind(  # V2's MLA and MoE modules; the router follows the config
+        deepseek_v2.LatentHeadAttention, deepseek_v2.native_block, deepseek_v2.HeadMoE
+    ),
 }

@@ -98,7 +98,7 @@ class DeepseekV2Config:
     def from_hf(cls, hf: dict) -> DeepseekV2Config:
         """Build from the dict of a Hugging Face `config.json` (the hub's DeepSeek files or
         transformers 5.x `save_pretrained`)."""
-        check_supported(hf)
+        cls.check(hf)
         rope = dict(hf.get("rope_scaling") or {})
         rope.update(hf.get("rope_parameters") or {})
         eos = eos_token_ids(hf)
@@ -114,7 +114,7 @@ class DeepseekV2Config:
             qk_nope_head_dim=hf["qk_nope_head_dim"],
             qk_rope_head_dim=hf["qk_rope_head_dim"],
             v_head_dim=hf["v_head_dim"],
-            n_routed_experts=hf["n_routed_experts"],
+            n_routed_experts=hf["n_routed_experts"] if "n_routed_experts" in hf else hf["num_local_experts"],
             num_experts_per_tok=hf["num_experts_per_tok"],
             n_shared_experts=hf.get("n_shared_experts") or 0,
             first_k_dense_replace=hf.get("first_k_dense_replace", 0),
@@ -153,6 +153,11 @@ class DeepseekV2Config:
     def fingerprint(self) -> str:
         """A short hash of the shape, recorded in stores and exported heads to match them to targets."""
         return config_fingerprint({"model_type": self.model_type, **asdict(self)})
+
+    @classmethod
+    def check(cls, hf: dict) -> None:
+        """Refuse the options this kind does not run (`check_supported`)."""
+        check_supported(hf)
 
 
 def check_supported(hf: dict) -> None:

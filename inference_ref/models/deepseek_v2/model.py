@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -95,6 +96,8 @@ def fuse_block(
     out[mlp + "down_proj.weight"] = hf[shared + "down_proj.weight"]
     if moe:
         out[q + "mlp.router.weight"] = hf[m + "gate.weight"]
+        if m + "gate.e_score_correction_bias" in hf:  # V3's noaux_tc routing
+            out[q + "mlp.router.e_score_correction_bias"] = hf[m + "gate.e_score_correction_bias"]
         experts = fuse_experts(hf, cfg, m + "experts.")
         out.update({q + "mlp.experts." + k: v for k, v in experts.items()})
     return out
@@ -145,6 +148,8 @@ def _unfuse(
         return {f"{p}self_attn.{q_in}.weight": wq, f"{p}self_attn.kv_a_proj_with_mqa.weight": wkv}
     if name == "mlp.router.weight":
         return {p + "mlp.gate.weight": t}
+    if name == "mlp.router.e_score_correction_bias":
+        return {p + "mlp.gate.e_score_correction_bias": t}
     if name.startswith("mlp.experts.") and stacked:
         return {p + name: t}
     if name == "mlp.experts.gate_up_proj":
@@ -175,10 +180,16 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-def load_deepseek_v2(path: str | Path, device="cpu", dtype=torch.float32) -> DeepseekV2Model:
-    """Load a target from a Hugging Face directory (safetensors only, read by tensor name)."""
+def load_deepseek_v2(
+    path: str | Path, device="cpu", dtype=torch.float32, config_class=None
+) -> DeepseekV2Model:
+    """Load a target from a Hugging Face directory (safetensors only, read by tensor name); the
+    config read as `config_class` (a DeepSeek kind's: V2 unless given)."""
     path = Path(path)
-    cfg = read_deepseek_v2_config(path)
+    if config_class is None:
+        cfg = read_deepseek_v2_config(path)
+    else:
+        cfg = config_class.from_hf(json.loads((path / "config.json").read_text()))
     names = list(safetensors_files(path))
     top = [EMBED, FINAL_NORM] + ([] if cfg.tie_word_embeddings else [LM_HEAD])
     state = placed(fuse_top(read_tensors(path, top), cfg), device, dtype)

@@ -21,18 +21,29 @@ class DenseMLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Softmax gate: per token the top-k experts and their weights. Runs in fp32 (the loader keeps
-    its weight fp32, as transformers does): a bf16 gate flips near-tied expert choices."""
+    """The gate: per token the top-k experts and their weights. Runs in fp32 (the loader keeps its
+    weight fp32, as transformers does): a bf16 gate flips near-tied expert choices.
+
+    `greedy` / `group_limited_greedy` (V2): softmax scores, top-k over all experts or within the
+    `topk_group` groups holding the best single experts. `noaux_tc` (V3): sigmoid scores; experts are
+    chosen on scores + `e_score_correction_bias` (a buffer balancing load without an auxiliary loss)
+    within the `topk_group` groups whose two best experts sum highest, weighted by the uncorrected
+    scores, renormalized when `norm_topk_prob`. Both × `routed_scaling_factor`."""
 
     def __init__(self, cfg: DeepseekV2Config):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if cfg.topk_method == "noaux_tc":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] → fp32 weights [T, k] and expert ids [T, k]."""
         c = self.cfg
-        scores = F.linear(x.float(), self.weight.float()).softmax(-1)
+        logits = F.linear(x.float(), self.weight.float())
+        if c.topk_method == "noaux_tc":
+            return self._noaux(logits)
+        scores = logits.softmax(-1)
         if c.topk_method == "group_limited_greedy":
             # Keep the topk_group groups holding the best-scoring experts; zero the others.
             groups = scores.unflatten(-1, (c.n_group, -1))
@@ -40,6 +51,23 @@ class Router(nn.Module):
             keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(-1, best, True)
             scores = groups.masked_fill(~keep[..., None], 0.0).flatten(-2)
         weights, ids = scores.topk(c.num_experts_per_tok, -1, sorted=False)
+        return weights * c.routed_scaling_factor, ids
+
+    def _noaux(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        scores = logits.sigmoid()
+        choice = (scores + self.e_score_correction_bias.float()).unflatten(-1, (c.n_group, -1))
+        best = choice.topk(2, -1).values.sum(-1).topk(c.topk_group, -1, sorted=False).indices
+        keep = torch.zeros_like(choice[..., 0], dtype=torch.bool).scatter(-1, best, True)
+        ids = (
+            choice.masked_fill(~keep[..., None], float("-inf"))
+            .flatten(-2)
+            .topk(c.num_experts_per_tok, -1, sorted=False)
+            .indices
+        )
+        weights = scores.gather(-1, ids)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * c.routed_scaling_factor, ids
 
 
