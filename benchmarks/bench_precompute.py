@@ -26,7 +26,10 @@ from benchmarks.common import (
 )
 from inference_ref.attention import packed_kernel
 from inference_ref.causal_lm import cu_seqlens_of
-from inference_ref.models.llama import random_llama
+from inference_ref.models import KINDS
+
+# transformers' base model (no lm_head) of each kind, the baseline
+HF_BASE = {"llama": "LlamaModel", "qwen3": "Qwen3Model", "qwen3_moe": "Qwen3MoeModel"}
 
 PEAK_BF16 = 797e12  # measured bf16 matmul on this H200 (shared/gpu/README.md)
 
@@ -205,26 +208,26 @@ def main() -> None:
     args = p.parse_args()
     changes = {} if args.layers is None else {"num_hidden_layers": args.layers}
     cfg = shape(args.shape, **changes)
-    from transformers import LlamaModel as HFLlama
+    import transformers
 
-    model = random_llama(cfg, device=DEVICE, dtype=DTYPE)
-    hf = hf_copy(model, HFLlama)
-
-    run = side_by_side(model, hf, cfg, args.tokens, args.batch_tokens, warmup=3, compiled=not args.no_compile)
-    flops = linear_flops_per_token(cfg)
-    best = max(run["inference_ref_packed_tokens_per_s"], run.get("inference_ref_compiled_tokens_per_s", 0))
+    model = KINDS[cfg.model_type].random(cfg, device=DEVICE, dtype=DTYPE)
+    hf = hf_copy(model, getattr(transformers, HF_BASE[cfg.model_type]))
+    compiled = not args.no_compile and model.compilable
+    run = side_by_side(model, hf, cfg, args.tokens, args.batch_tokens, warmup=3, compiled=compiled)
+    figures = {"command": "python -m benchmarks.bench_precompute " + " ".join(sys.argv[1:]), **run}
+    if not hasattr(cfg, "num_experts") and not hasattr(cfg, "n_routed_experts"):  # dense: the roofline
+        flops = linear_flops_per_token(cfg)
+        best = max(
+            run["inference_ref_packed_tokens_per_s"], run.get("inference_ref_compiled_tokens_per_s", 0)
+        )
+        figures.update(
+            linear_roofline_tokens_per_s=PEAK_BF16 / flops,
+            inference_ref_fraction_of_roofline=run["inference_ref_packed_tokens_per_s"] * flops / PEAK_BF16,
+            best_fraction_of_roofline=best * flops / PEAK_BF16,
+        )
+    figures["attention_kernel"] = packed_kernel()
     write_result(
-        f"precompute_{args.shape}",
-        {
-            "command": "python -m benchmarks.bench_precompute " + " ".join(sys.argv[1:]),
-            **run,
-            "linear_roofline_tokens_per_s": PEAK_BF16 / flops,
-            "inference_ref_fraction_of_roofline": run["inference_ref_packed_tokens_per_s"]
-            * flops
-            / PEAK_BF16,
-            "best_fraction_of_roofline": best * flops / PEAK_BF16,
-            "attention_kernel": packed_kernel(),
-        },
+        f"precompute_{args.shape}" + ("" if args.layers is None else f"_{args.layers}layers"), figures
     )
 
 

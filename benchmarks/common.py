@@ -38,6 +38,37 @@ SHAPES = {
         rope_theta=500000.0,
         max_position_embeddings=131072,
     ),
+    # Qwen3-8B's and Qwen3-30B-A3B's config.json (Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B), the fields read.
+    "qwen3_8b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+    ),
+    "qwen3_30b_a3b": dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+    ),
     "smollm2_135m": dict(
         vocab_size=49152,
         hidden_size=576,
@@ -104,24 +135,55 @@ DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
 def hf_copy(model, hf_class):
-    """A transformers model of class `hf_class` (SDPA) holding `model`'s weights, on DEVICE in DTYPE."""
-    from transformers import LlamaConfig as HFConfig
+    """A transformers model of class `hf_class` (SDPA) holding `model`'s weights, on DEVICE in DTYPE;
+    its config is transformers' own class for the model's kind."""
+    from transformers import AutoConfig
 
-    from inference_ref.models.llama import hf_state_dict
+    from inference_ref.models import KINDS
 
+    hf_cfg = model.cfg.to_hf()
+    config = AutoConfig.for_model(hf_cfg.pop("model_type"), **hf_cfg, attn_implementation="sdpa")
     torch.set_default_dtype(DTYPE)
     with torch.device(DEVICE):
-        hf = hf_class(HFConfig(**model.cfg.to_hf(), attn_implementation="sdpa")).eval()
+        hf = hf_class(config).eval()
     torch.set_default_dtype(torch.float32)
-    weights = hf_state_dict(model)
+    weights = KINDS[model.cfg.model_type].hf_state_dict(model)
+    if any(k.endswith("experts.gate_up_proj") for k in hf.state_dict()):  # transformers 5 stacks experts
+        weights = stacked_experts(weights)
     if not hasattr(hf, "lm_head"):  # a bare LlamaModel: no lm_head, no "model." prefix
         weights = {k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"}
     hf.load_state_dict(weights, strict=not (hasattr(hf, "lm_head") and model.cfg.tie_word_embeddings))
     return hf
 
 
-def shape(name: str, **changes) -> LlamaConfig:
-    return LlamaConfig(**{**SHAPES[name], **changes})
+def stacked_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors (`….mlp.experts.{e}.{gate,up,down}_proj.weight`) → the stacked
+    `….mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] transformers 5 holds."""
+    import re
+
+    pattern = re.compile(r"(.*\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+    out, experts = {}, {}
+    for name, t in weights.items():
+        m = pattern.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            experts.setdefault(m[1], {})[(int(m[2]), m[3])] = t
+    for prefix, parts in experts.items():
+        n = 1 + max(e for e, _ in parts)
+        out[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in range(n)]
+        )
+        out[prefix + "down_proj"] = torch.stack([parts[(e, "down")] for e in range(n)])
+    return out
+
+
+def shape(name: str, **changes):
+    """The config of a named shape, of its kind (`model_type`, Llama when absent)."""
+    from inference_ref.models import KINDS
+
+    fields = {**SHAPES[name], **changes}
+    return KINDS[fields.pop("model_type", "llama")].config(**fields)
 
 
 def lognormal_lengths(total_tokens: int, median: int = 600, cap: int = 4096, seed: int = 0) -> list[int]:
