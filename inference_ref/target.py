@@ -12,9 +12,10 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from inference_ref.causal_lm import CausalLM
-from inference_ref.loading import EMBED, LM_HEAD, read_tensors
+from inference_ref.loading import EMBED, LM_HEAD, read_tensors, safetensors_files
 from inference_ref.models import KINDS, Cache, kind_of
 from inference_ref.models import Config as TargetConfig
 from inference_ref.models.llama import load_llama
@@ -48,10 +49,50 @@ def load_target(path: str | Path, device="cpu", dtype=torch.float32, compile: bo
     if path.suffix == ".gguf":
         model = load_llama(path, device, dtype)
     else:
-        model = KINDS[read_target_config(path).model_type].load(path, device, dtype)
+        cfg = read_target_config(path)
+        check_checkpoint(path, cfg)  # headers only: before anything large is read
+        model = KINDS[cfg.model_type].load(path, device, dtype)
     if compile and torch.device(device).type == "cuda" and model.compilable:
         model.compile_layers()
     return model
+
+
+def check_checkpoint(path: Path, cfg: TargetConfig) -> None:
+    """Refuse a checkpoint whose tensor names or shapes do not match its config.json, naming the
+    first mismatch (expected vs found): the shapes are read from the safetensors headers and set
+    against those the kind's model of this config has, under the checkpoint's names."""
+    kind = KINDS[cfg.model_type]
+    with torch.device("meta"):
+        expected = {n: tuple(t.shape) for n, t in kind.hf_state_dict(kind.model(cfg)).items()}
+    found = checkpoint_shapes(path)
+    stacked = {n for n in found if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    for name in sorted(expected):
+        if name not in found and not any(
+            name.startswith(s.rsplit("experts.", 1)[0] + "experts.") for s in stacked
+        ):
+            raise ValueError(
+                f"{path}: tensor {name} {list(expected[name])} is missing (config.json: {cfg.model_type})"
+            )
+        if name in found and found[name] != expected[name]:
+            raise ValueError(
+                f"{path}: tensor {name} has shape {list(found[name])}, config.json implies {list(expected[name])}"
+            )
+    layers = cfg.num_hidden_layers
+    for name in sorted(set(found) - set(expected) - stacked):
+        beyond = name.startswith("model.layers.") and int(name.split(".")[2]) >= layers  # a shipped MTP layer
+        if not (beyond or name.endswith("rotary_emb.inv_freq") or name == LM_HEAD):
+            raise ValueError(
+                f"{path}: tensor {name} {list(found[name])} has no place in a {cfg.model_type} of this config"
+            )
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the safetensors headers (no data read)."""
+    out = {}
+    for file in set(safetensors_files(path).values()):  # each file's header once
+        with safe_open(file, "pt") as f:
+            out.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return out
 
 
 def frozen_target_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -216,3 +216,36 @@ def test_deepspeed_checkpoints_are_read_without_running_code(tmp_path, capsys):
         torch.load(path, weights_only=False)
     assert "this ran on load" not in capsys.readouterr().out
     assert torch.load(path, weights_only=False)["module"] == {}  # outside, torch.load is itself again
+
+
+def test_a_checkpoint_that_does_not_match_its_config_is_refused(tiny_target, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from inference_ref.target import load_target
+
+    bad = tmp_path / "target"
+    shutil.copytree(tiny_target, bad)
+    weights = load_file(str(bad / "model.safetensors"))
+    weights["model.layers.1.mlp.up_proj.weight"] = weights["model.layers.1.mlp.up_proj.weight"][
+        :, :32
+    ].contiguous()
+    save_file(weights, str(bad / "model.safetensors"))
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.1.mlp.up_proj.weight has shape \[128, 32\], config.json implies \[128, 64\]",
+    ):
+        load_target(bad)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight \[128, 64\] is missing"):
+        load_target(bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(
+        ValueError,
+        match=r"model_type 'gpt2' is not supported \(llama, qwen3, qwen3_moe, deepseek_v2, deepseek_v3\)",
+    ):
+        load_target(bad)
