@@ -88,6 +88,8 @@ class Prompt:
 def iter_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     """(source, record) for each record of a jsonl/json/parquet file or a `save_to_disk` directory."""
     path = Path(path)
+    if not path.exists():
+        raise DataFormatError(f"{path}: no such file or directory")
     if path.is_dir():
         yield from _dataset_records(path, _from_disk(path))
     elif path.suffix == ".parquet":

@@ -110,4 +110,6 @@ def run_demo(overrides: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    run_demo(sys.argv[1:])
+    from mtp_train.cli import one_line_errors
+
+    one_line_errors(run_demo)(sys.argv[1:])

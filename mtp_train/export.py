@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from inference_ref.head_spec import CONFIG, FORMAT, FORMAT_VERSION, WEIGHTS, HeadSpec, check_head_fits_target
 from inference_ref.target import TargetConfig, frozen_target_tensors
+from mtp_train.cli import one_line_errors
 from mtp_train.config import checked  # also registers the schema Hydra composes
 from mtp_train.engine_layouts import EAGLE3_BLOCK, LAYOUTS, Symbolic, check_layout, resolve
 from mtp_train.heads import MTPHead, build
@@ -272,6 +273,7 @@ def _layout_writer(
 
 
 @hydra.main(config_path="../recipes", config_name="config", version_base=None)
+@one_line_errors
 def main(cfg) -> None:
     for name, path in export(cfg).items():
         print(f"{name}: {path}")

@@ -40,6 +40,7 @@ from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.head_spec import check_aux_layers
 from inference_ref.target import TargetModel, load_target
 from mtp_train import config as _config  # noqa: F401  (registers the Hydra schema)
+from mtp_train.cli import one_line_errors
 from mtp_train.data import Sample, load_samples
 from mtp_train.run import Target, aux_layers_of
 from mtp_train.store import (
@@ -105,6 +106,8 @@ def run_precompute(cfg) -> Path:
 def prepare(cfg, rank: int, world: int) -> RankJob:
     """Tokenize the data, fix the run's settings, and claim (or re-check) the store directory."""
     _config.checked(cfg)
+    if not cfg.data.train_files:
+        raise _config.ConfigError("data.train_files is empty: name the conversation files to precompute")
     from transformers import AutoTokenizer
 
     target = Target.resolve(cfg.model.target)
@@ -398,6 +401,7 @@ class BackgroundWriter:
 
 
 @hydra.main(config_path="../recipes", config_name="config", version_base=None)
+@one_line_errors
 def main(cfg) -> None:
     run_precompute(cfg)
 

@@ -23,7 +23,8 @@ from transformers import AutoTokenizer
 
 from inference_ref.generate import generate
 from inference_ref.target import load_target
-from mtp_train.config import RegenerateConfig, checked
+from mtp_train.cli import one_line_errors
+from mtp_train.config import ConfigError, RegenerateConfig, checked
 from mtp_train.data import Message, Prompt, load_prompts, prompt_ids
 from mtp_train.run import resolve_run
 
@@ -60,6 +61,8 @@ def pending(prompts: list[Prompt], done: set[str], tokenizer, max_prompt_tokens:
     """Prompts still to answer, longest first prompt first (so a batch that does not fit fails at once)."""
     todo = [p for p in prompts if p.id not in done]
     counts.already_done = len(prompts) - len(todo)
+    if not todo:
+        return []
     lengths = [len(ids) for ids in prompt_ids(tokenizer, [p.turns[0] for p in todo])]
     kept = [(n, p) for n, p in zip(lengths, todo) if n <= max_prompt_tokens]
     counts.skipped = len(todo) - len(kept)
@@ -114,7 +117,11 @@ def regenerate(rcfg: RegenerateConfig, target_dir: str | Path, device="cpu", dty
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     out, counts = Path(rcfg.output), Counts()
     prompts = load_prompts(rcfg.prompts, limit=rcfg.limit)
+    if not prompts:
+        raise ValueError(f"regenerate.prompts {list(rcfg.prompts)} hold no prompt")
     todo = pending(prompts, written_ids(out), tokenizer, rcfg.max_prompt_tokens, counts)
+    if not todo:  # a rerun after a finished regeneration: nothing to load the target for
+        return asdict(counts)
     # Sampled answers are reproducible for one uninterrupted run; a resumed run draws anew.
     generator = torch.Generator(device=device).manual_seed(rcfg.seed)
     answerer = Answerer(load_target(target_dir, device, dtype, rcfg.compile), tokenizer, rcfg, generator)
@@ -132,8 +139,11 @@ def regenerate(rcfg: RegenerateConfig, target_dir: str | Path, device="cpu", dty
 
 
 @hydra.main(config_path="../recipes", config_name="config", version_base=None)
+@one_line_errors
 def main(cfg) -> None:
     checked(cfg)
+    if not cfg.regenerate.prompts:
+        raise ConfigError("regenerate.prompts is empty: name the prompt files the target answers")
     run = resolve_run(cfg.model)
     started = time.perf_counter()
     counts = regenerate(cfg.regenerate, run.target.dir, run.device, run.dtype)

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from inference_ref.target import frozen_target_tensors
 from mtp_train import checkpoint
 from mtp_train.batching import DraftBatch, MicroBatchPlan, collate, prefetched
+from mtp_train.cli import one_line_errors
 from mtp_train.config import ModelConfig, RunConfig, TrainConfig, checked
 from mtp_train.heads import MTPHead, build
 from mtp_train.losses import DraftObjective, LossWeights
@@ -254,12 +255,17 @@ def train(cfg: RunConfig) -> Path:
         progress.step(step + 1, stats, grad_norm, t.scheduler.get_last_lr()[0], waited)
         hooks.after_step(step + 1, progress)
     head_dir = export_head(t.acc, t.objective, out_dir / "head", run.target.identity, cfg, tc.steps)
-    if t.acc.is_main_process:
-        (out_dir / "train_summary.json").write_text(
-            json.dumps({"steps": tc.steps, **progress.summary()}, indent=2)
-        )
+    if t.acc.is_main_process and start < tc.steps:  # a rerun of a finished run keeps its figures
+        write_summary(out_dir / "train_summary.json", tc.steps, progress.summary())
     progress.close()
     return head_dir
+
+
+def write_summary(path: Path, steps: int, figures: dict) -> None:
+    """The run's last figures; tokens and seconds added to those of the runs it resumed."""
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    totals = {k: earlier.get(k, 0) + figures.get(k, 0) for k in ("tokens", "seconds")}
+    path.write_text(json.dumps({"steps": steps, **figures, **totals}, indent=2))
 
 
 class Hooks:
@@ -317,6 +323,7 @@ def export_head(acc: Accelerator, objective, out: Path, identity: dict, cfg: Run
 
 
 @hydra.main(config_path="../recipes", config_name="config", version_base=None)
+@one_line_errors
 def main(cfg: RunConfig) -> None:
     started = time.time()
     head_dir = train(cfg)

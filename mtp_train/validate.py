@@ -13,6 +13,7 @@ Two measurements, both on the evaluation prompts (MT-bench by default, every tur
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import astuple, dataclass, fields
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import hydra
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from inference_ref.causal_lm import cu_seqlens_of
@@ -28,7 +30,8 @@ from inference_ref.generate import generate, prefill
 from inference_ref.speculative import SpecStats, speculative_generate
 from inference_ref.target import TargetModel, load_target
 from mtp_train.batching import align_sample, collate
-from mtp_train.config import RunConfig, checked
+from mtp_train.cli import one_line_errors
+from mtp_train.config import ConfigError, RunConfig, checked
 from mtp_train.data import Conversation, Prompt, Sample, encode, load_prompts, load_samples, prompt_ids
 from mtp_train.export import load_head
 from mtp_train.heads import MTPHead
@@ -191,6 +194,18 @@ def inference_path(ev: Evaluator, samples: list[Sample]):
     return {"ce": ce / max(count, 1), "top1": top1 / max(count, 1), "positions": int(count)}
 
 
+def report_fingerprint(cfg: RunConfig) -> str:
+    """What a report depends on: the head's files, the target, the validation and data settings.
+    A rerun with all of them unchanged reuses the report instead of decoding again."""
+    head = Path(cfg.validate.head)
+    h = hashlib.sha256()
+    for name in ("config.json", "head.safetensors"):
+        h.update((head / name).read_bytes() if (head / name).exists() else b"")
+    settings = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "validate", "data")}
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
 def store_rounding(cfg: RunConfig, device: torch.device) -> str:
     """How the trainer path's states are rounded: on CUDA as the training store holds them (its
     manifest's `hidden_dtype`, `bf16` or `fp8`; `precompute.hidden_dtype` before a store exists),
@@ -243,6 +258,15 @@ def holdout_samples(cfg: RunConfig, ev: Evaluator) -> list[Sample]:
 def run_validation(cfg: RunConfig) -> dict:
     checked(cfg)
     vc = cfg.validate
+    if not vc.eval_files:
+        raise ConfigError(
+            "validate.eval_files is empty: name the evaluation prompts (e.g. data/mt_bench.jsonl)"
+        )
+    fingerprint = report_fingerprint(cfg)
+    previous = Path(vc.report)
+    if previous.exists() and json.loads(previous.read_text()).get("fingerprint") == fingerprint:
+        print(f"validation: {previous} was made with this head and these settings; reused")
+        return json.loads(previous.read_text())
     run = resolve_run(cfg.model, vc.dtype)
     ev = Evaluator.load(run, Path(vc.head), vc.compile)
     prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)
@@ -257,6 +281,7 @@ def run_validation(cfg: RunConfig) -> dict:
         "batch_size": vc.batch_size,
         "target_only": baseline,
         "speculative": {},
+        "fingerprint": fingerprint,
     }
     for temperature in vc.temperatures:
         name = "greedy" if temperature == 0 else f"T={temperature:g}"
@@ -455,6 +480,7 @@ def summary(report: dict) -> str:
 
 
 @hydra.main(config_path="../recipes", config_name="config", version_base=None)
+@one_line_errors
 def main(cfg: RunConfig) -> None:
     report = run_validation(cfg)
     print(summary(report))

@@ -249,3 +249,35 @@ def test_a_checkpoint_that_does_not_match_its_config_is_refused(tiny_target, tmp
         match=r"model_type 'gpt2' is not supported \(llama, qwen3, qwen3_moe, deepseek_v2, deepseek_v3\)",
     ):
         load_target(bad)
+
+
+@pytest.mark.parametrize(
+    "module, overrides, message",
+    [
+        ("mtp_train.precompute", [], "error: data.train_files is empty"),
+        ("mtp_train.train", ["train.grad_clip=-1"], "error: train.grad_clip=-1.0: must be > 0"),
+        (
+            "mtp_train.regenerate",
+            ["regenerate.prompts=[missing.jsonl]"],
+            "error: missing.jsonl: no such file",
+        ),
+    ],
+)
+def test_entry_points_report_user_errors_in_one_line(tiny_target, tmp_path, module, overrides, message):
+    """No traceback, exit code 2, the field or file and the fix; HYDRA_FULL_ERROR=1 shows the traceback."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        module,
+        "model=tiny_random",
+        f"model.target={tiny_target}",
+        f"run_dir={tmp_path}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    done = subprocess.run(cmd + overrides, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr and "Traceback" not in done.stderr
