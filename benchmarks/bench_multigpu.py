@@ -57,7 +57,7 @@ def launch(gpus: int, zero: int | None, module: str) -> list[str]:
     if zero is None:
         extra = ["--multi_gpu"] if gpus > 1 else []
         return ["accelerate", "launch", *extra, "--num_processes", str(gpus), "-m", module]
-    config = f"recipes/accelerate/zero{zero}_8gpu.yaml"
+    config = f"launch/accelerate/zero{zero}_8gpu.yaml"
     return ["accelerate", "launch", "--config_file", config, "--num_processes", str(gpus), "-m", module]
 
 

@@ -1,6 +1,6 @@
 """Training throughput, MFU and peak memory of the rmsnorm-restored head (random weights, synthetic store).
 
-    accelerate launch --config_file recipes/accelerate/zero2_1gpu.yaml -m benchmarks.bench_train --shape llama3_8b
+    accelerate launch --config_file launch/accelerate/zero2_1gpu.yaml -m benchmarks.bench_train --shape llama3_8b
 
 MFU counts every model FLOP of a step: the head (fc + one decoder layer, forward, input and weight
 gradients, attention included), the draft logits (forward and input gradient: the lm_head is
@@ -138,7 +138,7 @@ def main() -> None:
     acc = Accelerator()
     figures = {
         "command": (
-            "accelerate launch --config_file recipes/accelerate/zero2_1gpu.yaml -m benchmarks.bench_train"
+            "accelerate launch --config_file launch/accelerate/zero2_1gpu.yaml -m benchmarks.bench_train"
             if acc.state.deepspeed_plugin
             else "python -m benchmarks.bench_train"
         )

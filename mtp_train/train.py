@@ -1,7 +1,7 @@
 """Train a draft head on a precomputed store.
 
     python -m mtp_train.train model=smollm2_135m                       # one process (CPU or GPU)
-    accelerate launch --config_file recipes/accelerate/zero2_8gpu.yaml -m mtp_train.train model=llama3_1_8b
+    accelerate launch --config_file launch/accelerate/zero2_8gpu.yaml -m mtp_train.train model=llama3_1_8b
 
 Global micro-batch g (a pure function of the store and the seed) goes to rank g mod world, so a
 run on N processes with accumulation A sees the same samples per optimizer step as one process

@@ -4,4 +4,4 @@
 # The vLLM layout afterwards: python -m mtp_train.export model=deepseek_v2_lite model.target=TARGET_DIR \
 #   export.formats=[native,deepseek_mtp]   (docs/export.md)
 set -euo pipefail
-exec "$(dirname "$0")/pipeline.sh" deepseek_v2_lite "$1" "$2" recipes/accelerate/zero2_8gpu.yaml "${@:3}"
+exec "$(dirname "$0")/pipeline.sh" deepseek_v2_lite "$1" "$2" launch/accelerate/zero2_8gpu.yaml "${@:3}"

@@ -2,4 +2,4 @@
 # llama3_2_1b on one 8-GPU node (DeepSpeed ZERO2); see recipes/model/llama3_2_1b.yaml for the batch and lr.
 # Usage: scripts/llama3_2_1b.sh TARGET_DIR PROMPTS.jsonl [extra Hydra overrides...]
 set -euo pipefail
-exec "$(dirname "$0")/pipeline.sh" llama3_2_1b "$1" "$2" recipes/accelerate/zero2_8gpu.yaml "${@:3}"
+exec "$(dirname "$0")/pipeline.sh" llama3_2_1b "$1" "$2" launch/accelerate/zero2_8gpu.yaml "${@:3}"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The full pipeline for one target size on one node:
 #   scripts/pipeline.sh MODEL TARGET_DIR PROMPTS.jsonl [ACCELERATE_CONFIG] [extra Hydra overrides...]
-# e.g. scripts/pipeline.sh llama3_1_8b /models/Llama-3.1-8B-Instruct data/prompts.jsonl recipes/accelerate/zero2_8gpu.yaml
+# e.g. scripts/pipeline.sh llama3_1_8b /models/Llama-3.1-8B-Instruct data/prompts.jsonl launch/accelerate/zero2_8gpu.yaml
 set -euo pipefail
-model=$1; target=$2; prompts=$3; accel=${4:-recipes/accelerate/zero2_8gpu.yaml}; shift $(( $# < 4 ? $# : 4 ))
+model=$1; target=$2; prompts=$3; accel=${4:-launch/accelerate/zero2_8gpu.yaml}; shift $(( $# < 4 ? $# : 4 ))
 common=(model="$model" model.target="$target" "$@")
 run=outputs/$model
 
