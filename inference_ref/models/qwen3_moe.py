@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_ref.causal_lm import CausalLM, KVCache, config_fingerprint
-from inference_ref.loading import init_random, placed, read_tensors, safetensors_files
+from inference_ref.loading import init_random, read_tensors, safetensors_files
 from inference_ref.models import llama, qwen3
-from inference_ref.models.deepseek_v2.model import fuse_experts
+from inference_ref.models.deepseek_v2.model import build_model, fuse_experts
 from inference_ref.models.deepseek_v2.moe import Experts
 
 
@@ -160,24 +160,12 @@ def hf_state_dict(model: Qwen3MoeModel) -> dict[str, torch.Tensor]:
     return out
 
 
-def build(
-    cfg: Qwen3MoeConfig, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32
-) -> Qwen3MoeModel:
-    with torch.device("meta"):
-        model = Qwen3MoeModel(cfg)
-    model.load_state_dict(placed(state, device, dtype), strict=True, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = llama.Rotary(cfg).to(device)  # fp32 frequencies whatever the weights' dtype
-    return model.eval().requires_grad_(False)
-
-
 def load_qwen3_moe(path: str | Path, device="cpu", dtype=torch.float32) -> Qwen3MoeModel:
     """Load a target from a Hugging Face directory (safetensors, read by tensor name)."""
     path = Path(path)
     cfg = Qwen3MoeConfig.from_hf(json.loads((path / "config.json").read_text()))
     hf = read_tensors(path, [n for n in safetensors_files(path) if not n.endswith("rotary_emb.inv_freq")])
-    return build(cfg, fuse_hf_state_dict(hf, cfg), device, dtype)
+    return build_model(cfg, fuse_hf_state_dict(hf, cfg), device, dtype, Qwen3MoeModel)
 
 
 def random_qwen3_moe(cfg: Qwen3MoeConfig, device="cpu", dtype=torch.float32, seed: int = 0) -> Qwen3MoeModel:

@@ -168,15 +168,16 @@ def _unfuse(
 
 
 def build_model(
-    cfg: DeepseekV2Config, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32
+    cfg: DeepseekV2Config, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32, model_class=None
 ) -> DeepseekV2Model:
-    """Assemble a model from a fused state dict without allocating random weights first."""
+    """Assemble a model (`DeepseekV2Model`, or another MoE kind's `model_class`) from a fused state
+    dict without allocating random weights first; routers stay fp32 (`placed`)."""
     with torch.device("meta"):
-        model = DeepseekV2Model(cfg)
+        model = (model_class or DeepseekV2Model)(cfg)
     model.load_state_dict(placed(state, device, dtype), strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = Rotary(cfg).to(device)  # fp32 frequencies whatever the weights' dtype
+    model.rotary = type(model.rotary)(cfg).to(device)  # fp32 frequencies whatever the weights' dtype
     return model.eval().requires_grad_(False)
 
 
