@@ -19,6 +19,7 @@ from inference_ref.loading import EMBED, LM_HEAD, read_tensors, safetensors_file
 from inference_ref.models import KINDS, Cache, kind_of
 from inference_ref.models import Config as TargetConfig
 from inference_ref.models.llama import load_llama
+from inference_ref.quantization import quantize
 
 TargetModel = CausalLM
 """What the pipeline uses of a target: the skeleton every kind shares."""
@@ -41,10 +42,13 @@ def read_target_config(path: str | Path) -> TargetConfig:
     return kind_of(hf.get("model_type"), str(file)).config.from_hf(hf)
 
 
-def load_target(path: str | Path, device="cpu", dtype=torch.float32, compile: bool = False) -> TargetModel:
-    """Load a target from a Hugging Face directory (any kind) or a Llama `.gguf` file. `compile`
-    fuses its layers (`CausalLM.compile_layers`) where that is measured: on CUDA, for a kind that
-    is `compilable`; elsewhere it is ignored."""
+def load_target(
+    path: str | Path, device="cpu", dtype=torch.float32, compile: bool = False, quantization: str = "none"
+) -> TargetModel:
+    """Load a target from a Hugging Face directory (any kind) or a Llama `.gguf` file.
+    `quantization="fp8"` turns its layers' linear maps into FP8 ones (`quantization.quantize`).
+    `compile` fuses its layers (`CausalLM.compile_layers`) where that is measured: on CUDA, for a
+    kind that is `compilable`; elsewhere it is ignored."""
     path = Path(path)
     if path.suffix == ".gguf":
         model = load_llama(path, device, dtype)
@@ -52,6 +56,10 @@ def load_target(path: str | Path, device="cpu", dtype=torch.float32, compile: bo
         cfg = read_target_config(path)
         check_checkpoint(path, cfg)  # headers only: before anything large is read
         model = KINDS[cfg.model_type].load(path, device, dtype)
+    if quantization == "fp8":
+        quantize(model)
+    elif quantization != "none":
+        raise ValueError(f"model.quantization: {quantization!r} is not one of none, fp8")
     if compile and torch.device(device).type == "cuda" and model.compilable:
         model.compile_layers()
     return model

@@ -47,6 +47,7 @@ class ModelConfig:
 
     def __post_init__(self):
         require(self.head_mlp in ("dense", "moe"), "model.head_mlp", self.head_mlp, "dense or moe")
+        require(self.quantization in ("none", "fp8"), "model.quantization", self.quantization, "none or fp8")
         require(
             self.dtype in ("auto", "bfloat16", "float32"),
             "model.dtype",
@@ -65,6 +66,10 @@ class ModelConfig:
     """MLP of the head's decoder layer on a DeepSeek-V2 target: `dense` (SwiGLU of the target's
     `intermediate_size`) or `moe` (the target's MoE block: router, routed and shared experts).
     Llama targets have only `dense`."""
+    quantization: str = "none"
+    """The target's linear maps: `none` (the model's dtype) or `fp8` (e4m3 weights with a scale per
+    output channel, activations scaled per token; FP8 tensor cores on Hopper) for precompute,
+    regeneration and validation alike. Embeddings, lm_head and routers keep the model's dtype."""
     init_from_target_mtp: bool = False
     """Start the head from the MTP layer the target checkpoint ships (DeepSeek-V3/R1:
     `model.layers.{num_hidden_layers}.*`) instead of from random weights; needs `head_mlp: moe`."""

@@ -82,7 +82,7 @@ def run_demo(overrides: list[str]) -> dict:
     run = resolve_run(cfg.model)
     print(f"{run.target.dir} ({time.perf_counter() - t:.0f} s)")
     t = stage("regenerate: the target answers the prompts")
-    counts = regenerate(cfg.regenerate, run.target.dir, run.device, run.dtype)
+    counts = regenerate(cfg.regenerate, run.target.dir, run.device, run.dtype, run.quantization)
     print(f"{counts} ({time.perf_counter() - t:.0f} s)")
     t = stage("precompute: hidden states to the store")
     store = Store(run_precompute(cfg))

@@ -78,6 +78,8 @@ class RankJob:
     compile: bool
     capture: tuple[int, ...] = ()
     """Auxiliary layers whose entering states are stored beside the last layer's (eagle3)."""
+    quantization: str = "none"
+    """`model.quantization` of the target that computes the states."""
 
     @property
     def complete(self) -> bool:
@@ -130,6 +132,7 @@ def prepare(cfg, rank: int, world: int) -> RankJob:
         model_dtype=cfg.model.dtype,
         compile=pc.compile,
         capture=tuple(header.get("aux_layers", ())),
+        quantization=cfg.model.quantization,
     )
 
 
@@ -146,6 +149,7 @@ def run_header(cfg, target: Target, samples: list[Sample], counts: dict, world: 
         "hidden_size": hidden_size,
         "hidden_dtype": cfg.precompute.hidden_dtype,
         **({"aux_layers": aux} if aux else {}),  # absent from stores without (and from older ones)
+        **({"target_quantization": cfg.model.quantization} if cfg.model.quantization != "none" else {}),
         "bytes_per_token": bytes_per_token(hidden_size, cfg.precompute.hidden_dtype, 1 + len(aux)),
         "world_size": world,
         "data": {
@@ -177,7 +181,7 @@ def claim_store_dir(store_dir: Path, header: dict) -> None:
         return
     old = json.loads(path.read_text())
     check_same_target(header["target"], old["target"], f"store {store_dir}")
-    keys = [("hidden_dtype",), ("aux_layers",), ("data", "sha256")]
+    keys = [("hidden_dtype",), ("aux_layers",), ("target_quantization",), ("data", "sha256")]
     if not (store_dir / "manifest.json").exists():
         keys.append(("world_size",))  # a resumed rank continues its own journal: same ranks needed
     for key in keys:
@@ -251,7 +255,8 @@ def precompute_rank(job: RankJob, device) -> None:
         print(f"precompute rank {job.rank}: resuming, {len(done)} samples stored, {len(todo)} to go")
     if todo:
         device = torch.device(device)
-        model = load_target(job.target_dir, device, model_dtype(job.model_dtype, device), job.compile)
+        dtype = model_dtype(job.model_dtype, device)
+        model = load_target(job.target_dir, device, dtype, job.compile, job.quantization)
         started = time.perf_counter()
         tokens = write_hidden_states(model, job, todo, writer)
         seconds = time.perf_counter() - started

@@ -112,7 +112,13 @@ class Answerer:
         return asking
 
 
-def regenerate(rcfg: RegenerateConfig, target_dir: str | Path, device="cpu", dtype=torch.float32) -> dict:
+def regenerate(
+    rcfg: RegenerateConfig,
+    target_dir: str | Path,
+    device="cpu",
+    dtype=torch.float32,
+    quantization: str = "none",
+) -> dict:
     """Answer `rcfg.prompts` with the target at `target_dir`, appending to `rcfg.output`; returns counts."""
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     out, counts = Path(rcfg.output), Counts()
@@ -124,7 +130,8 @@ def regenerate(rcfg: RegenerateConfig, target_dir: str | Path, device="cpu", dty
         return asdict(counts)
     # Sampled answers are reproducible for one uninterrupted run; a resumed run draws anew.
     generator = torch.Generator(device=device).manual_seed(rcfg.seed)
-    answerer = Answerer(load_target(target_dir, device, dtype, rcfg.compile), tokenizer, rcfg, generator)
+    target = load_target(target_dir, device, dtype, rcfg.compile, quantization)
+    answerer = Answerer(target, tokenizer, rcfg, generator)
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with out.open("a", encoding="utf-8") as f, tqdm(total=len(todo), unit="conv", desc="regenerate") as bar:
@@ -146,7 +153,7 @@ def main(cfg) -> None:
         raise ConfigError("regenerate.prompts is empty: name the prompt files the target answers")
     run = resolve_run(cfg.model)
     started = time.perf_counter()
-    counts = regenerate(cfg.regenerate, run.target.dir, run.device, run.dtype)
+    counts = regenerate(cfg.regenerate, run.target.dir, run.device, run.dtype, run.quantization)
     seconds = time.perf_counter() - started
     rate = counts["new_tokens"] / seconds
     print(

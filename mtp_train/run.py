@@ -41,13 +41,16 @@ class Run:
     device: torch.device
     dtype: torch.dtype
     """Compute dtype of the target (and of validation's head)."""
+    quantization: str = "none"
+    """`model.quantization`: how the target's linear maps run."""
 
 
 def resolve_run(model, dtype: str | None = None, device: torch.device | None = None) -> Run:
     """The run of `model` (the `model` config group) on `device` (default: CUDA if present) in
     `dtype` (a dtype name; default: `model.dtype`)."""
     device = device or default_device()
-    return Run(Target.resolve(model.target), device, model_dtype(dtype or model.dtype, device))
+    dtype = model_dtype(dtype or model.dtype, device)
+    return Run(Target.resolve(model.target), device, dtype, model.quantization)
 
 
 # EAGLE-3's draft vocabulary where none is configured, for targets of ≥ 100k tokens (Llama 3's 128k):

@@ -55,7 +55,7 @@ class Evaluator:
         config = json.loads((Path(head_dir) / "config.json").read_text())
         check_head_fits_target(config, run.target.config)  # before loading the target
         check_same_target(run.target.identity, config["target"], f"head {head_dir}")
-        target = load_target(run.target.dir, run.device, run.dtype, compile)
+        target = load_target(run.target.dir, run.device, run.dtype, compile, run.quantization)
         tokenizer = AutoTokenizer.from_pretrained(str(run.target.dir))
         eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
         return cls(target, load_draft(head_dir, target), tokenizer, eos)

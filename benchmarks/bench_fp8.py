@@ -1,0 +1,85 @@
+"""FP8 target against bf16, one run, same weights: packed-forward tokens/s with compiled layers,
+peak memory, and how far the FP8 target's final-normed states are from bf16's.
+
+    python -m benchmarks.bench_fp8 --shape llama3_8b --tokens 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from benchmarks.bench_precompute import PEAK_BF16, packed_batches, run_ours
+from benchmarks.common import DEVICE, DTYPE, linear_flops_per_token, lognormal_lengths, shape, write_result
+from inference_ref.causal_lm import cu_seqlens_of
+from inference_ref.models import KINDS
+from inference_ref.quantization import quantize
+
+
+def measure(model, seqs, batches, hidden: int) -> dict:
+    torch.cuda.reset_peak_memory_stats()
+    model.compile_layers()
+    compile_s = run_ours(model, seqs, batches[:1], hidden)
+    run_ours(model, seqs, batches[1:3], hidden)
+    seconds = run_ours(model, seqs, batches, hidden)
+    return {
+        "tokens_per_s": sum(map(len, seqs)) / seconds,
+        "compile_and_first_batch_s": compile_s,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "compiled_layers_ran": model.runs_compiled("packed"),
+    }
+
+
+@torch.inference_mode()
+def agreement(model, reference: torch.Tensor, ids: torch.Tensor) -> dict:
+    out, _ = model.forward_packed(ids, cu_seqlens_of([len(ids)], device=DEVICE))
+    a, b = model.norm(out).float(), reference.float()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    return {
+        "max_rel_err_normed": float((a - b).abs().max() / b.abs().max()),
+        "cosine_min": float(cos.min()),
+        "cosine_mean": float(cos.mean()),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="llama3_8b")
+    p.add_argument("--tokens", type=int, default=200_000)
+    p.add_argument("--batch-tokens", type=int, default=32768)
+    args = p.parse_args()
+    cfg = shape(args.shape)
+    model = KINDS[cfg.model_type].random(cfg, device=DEVICE, dtype=DTYPE)
+    lengths = lognormal_lengths(args.tokens)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    batches = packed_batches(lengths, args.batch_tokens)
+    probe = seqs[0].to(DEVICE)
+    with torch.inference_mode():
+        ref, _ = model.forward_packed(probe, cu_seqlens_of([len(probe)], device=DEVICE))
+        ref = model.norm(ref)
+    bf16 = measure(model, seqs, batches, cfg.hidden_size)
+    torch.cuda.empty_cache()
+    quantize(model)
+    model.compile_proven, model.compile_failed = frozenset(), frozenset()
+    fp8 = measure(model, seqs, batches, cfg.hidden_size)
+    flops = linear_flops_per_token(cfg)
+    write_result(
+        f"fp8_{args.shape}",
+        {
+            "command": "python -m benchmarks.bench_fp8 " + " ".join(sys.argv[1:]),
+            "tokens": sum(lengths),
+            "bf16_compiled": bf16,
+            "fp8_compiled": fp8,
+            "fp8_vs_bf16": fp8["tokens_per_s"] / bf16["tokens_per_s"],
+            "bf16_linear_roofline_tokens_per_s": PEAK_BF16 / flops,
+            "fp8_past_bf16_roofline": fp8["tokens_per_s"] / (PEAK_BF16 / flops),
+            **agreement(model, ref, probe),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

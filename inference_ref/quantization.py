@@ -1,0 +1,82 @@
+"""FP8 (e4m3) targets, applied to a built model by one function (`quantize`), never inside model code.
+
+Weights are quantized at load with one scale per output channel; activations are scaled
+dynamically, one scale per token; the matmul runs on FP8 tensor cores through `torch._scaled_mm`
+with those row-wise scales (Hopper), accumulating in fp32 and writing the activations' dtype.
+Where that kernel does not run (a CPU, an older GPU), `Fp8Linear` computes the same quantized
+product in fp32 from the dequantized operands, so the numbers a CPU test sees are the ones the
+tensor cores see up to accumulation order.
+
+Only the decoder layers' linear maps are quantized (attention and dense-MLP projections): the
+embeddings, the final norm, the lm_head and the MoE routers stay in the model's dtype, as serving
+stacks keep them. Checkpoints stored in FP8 with 128×128 block scales (DeepSeek-V3's
+`weight_scale_inv`) are read through `dequantize_blocks`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, K] → (e4m3 [N, K], fp32 scale [N, 1]): each row scaled so its absmax maps to 448."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    # Clamp: rounding can put x / scale a hair past 448, which e4m3fn would turn into NaN.
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """A weight stored in FP8 with one scale per `block` × `block` tile (DeepSeek-V3's
+    `weight_scale_inv` [ceil(out/128), ceil(in/128)]) → fp32: w = q × scale of its tile."""
+    out, k = q.shape
+    scale = scale_inv.float().repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :k]
+    return q.float() * scale
+
+
+class Fp8Linear(nn.Module):
+    """`nn.Linear` (no bias) with an e4m3 weight and per-output-channel scales."""
+
+    def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight_fp8)  # [out, in] e4m3
+        self.register_buffer("weight_scale", weight_scale)  # [out, 1] fp32
+        self.out_features, self.in_features = weight_fp8.shape
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> Fp8Linear:
+        if linear.bias is not None:
+            raise ValueError("Fp8Linear: a linear map with a bias is not quantized here")
+        return cls(*quantize_rows(linear.weight.detach()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        xq, xs = quantize_rows(flat)
+        if flat.is_cuda and flat.shape[0] > 0:
+            # Row-wise scales: a [T, 1] per token, b [1, out] per output channel; b column-major.
+            out = torch._scaled_mm(
+                xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(), out_dtype=x.dtype
+            )
+        else:
+            out = (dequantize_rows(xq, xs) @ dequantize_rows(self.weight, self.weight_scale).t()).to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize(model: nn.Module) -> nn.Module:
+    """Replace every linear map of the model's decoder layers by an `Fp8Linear`, in place (the
+    embeddings, lm_head and routers are not `nn.Linear`s of a layer, or are kept: routers decide,
+    they are tiny and fp32). Returns the model."""
+    for layer in model.layers:
+        for name, module in list(layer.named_modules()):
+            if isinstance(module, nn.Linear) and not name.endswith("router"):
+                parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+                setattr(parent, name.rsplit(".", 1)[-1], Fp8Linear.of(module))
+    return model

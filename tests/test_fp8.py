@@ -1,0 +1,78 @@
+"""The FP8 target: quantize/dequantize math, the FP8 linear map against a reference matmul, block-
+scaled checkpoints, and a quantized target end to end (on CPU the quantized product is computed in
+fp32; on Hopper `torch._scaled_mm` runs it, GPU test marked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_ref.causal_lm import cu_seqlens_of
+from inference_ref.models.llama import random_llama
+from inference_ref.quantization import (
+    FP8_MAX,
+    Fp8Linear,
+    dequantize_blocks,
+    dequantize_rows,
+    quantize,
+    quantize_rows,
+)
+from tiny import tiny_llama
+
+
+def test_row_quantization_keeps_each_row_within_e4m3_precision():
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 64)[:, None]
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 1)
+    assert torch.allclose(q.float().abs().amax(-1), torch.full((64,), FP8_MAX))  # each row uses the range
+    rel = (dequantize_rows(q, scale) - x).abs() / x.abs().amax(-1, keepdim=True)
+    assert rel.max() <= 2**-4  # 3 mantissa bits: half an ulp of the largest is 1/16 of it at most
+    zero, zscale = quantize_rows(torch.zeros(2, 8))  # no division by zero
+    assert torch.equal(dequantize_rows(zero, zscale), torch.zeros(2, 8))
+
+
+def test_fp8_linear_matches_the_reference_quantized_matmul():
+    g = torch.Generator().manual_seed(1)
+    linear = torch.nn.Linear(96, 48, bias=False)
+    torch.nn.init.normal_(linear.weight, generator=g)
+    x = torch.randn(5, 7, 96, generator=g)
+    fp8 = Fp8Linear.of(linear)
+    wq, ws = quantize_rows(linear.weight.detach())
+    xq, xs = quantize_rows(x.reshape(-1, 96))
+    ref = (xq.float() * xs) @ (wq.float() * ws).t()  # the product FP8 tensor cores compute, in fp32
+    assert torch.allclose(fp8(x).reshape(-1, 48), ref, rtol=1e-5, atol=1e-5)
+    exact = x @ linear.weight.t()
+    assert ((fp8(x) - exact).norm() / exact.norm()) < 0.06  # and close to the unquantized one
+
+
+def test_block_scaled_checkpoints_dequantize_tile_by_tile():
+    q = torch.randn(200, 300).clamp(-400, 400).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(2, 3) + 0.5  # ceil(200/128) × ceil(300/128) tiles
+    w = dequantize_blocks(q, scale_inv)
+    assert torch.equal(w[:128, :128], q[:128, :128].float() * scale_inv[0, 0])
+    assert torch.equal(w[128:, 256:], q[128:, 256:].float() * scale_inv[1, 2])
+
+
+def test_a_quantized_target_stays_close_to_the_unquantized_one():
+    cfg = tiny_llama(num_hidden_layers=3)
+    model = random_llama(cfg, seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(2))
+    ref, _ = model.forward_packed(ids, cu_seqlens_of([50]))
+    quantize(model)
+    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 3 * 4  # qkv, o, gate_up, down
+    assert not isinstance(model.lm_head, Fp8Linear)
+    out, _ = model.forward_packed(ids, cu_seqlens_of([50]))
+    with torch.inference_mode():
+        a, b = model.norm(out), model.norm(ref)
+        cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1).min()
+    assert cosine > 0.99, cosine
+
+
+@pytest.mark.gpu
+def test_scaled_mm_matches_the_cpu_reference():
+    linear = torch.nn.Linear(256, 128, bias=False)
+    x = torch.randn(64, 256)
+    fp8 = Fp8Linear.of(linear)
+    cpu = fp8(x)
+    gpu = fp8.cuda()(x.cuda().bfloat16()).float().cpu()
+    assert ((gpu - cpu).norm() / cpu.norm()) < 1e-2
