@@ -62,9 +62,8 @@ class Fp8Linear(nn.Module):
         xq, xs = quantize_rows(flat)
         if flat.is_cuda and flat.shape[0] > 0:
             # Row-wise scales: a [T, 1] per token, b [1, out] per output channel; b column-major.
-            out = torch._scaled_mm(
-                xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(), out_dtype=x.dtype
-            )
+            scale_b = self.weight_scale.reshape(1, -1).contiguous()
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)
         else:
             out = (dequantize_rows(xq, xs) @ dequantize_rows(self.weight, self.weight_scale).t()).to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -71,7 +71,7 @@ def test_a_quantized_target_stays_close_to_the_unquantized_one():
 @pytest.mark.gpu
 def test_scaled_mm_matches_the_cpu_reference():
     linear = torch.nn.Linear(256, 128, bias=False)
-    x = torch.randn(64, 256)
+    x = torch.randn(64, 256).bfloat16().float()  # the same inputs on both paths (the GPU's are bf16)
     fp8 = Fp8Linear.of(linear)
     cpu = fp8(x)
     gpu = fp8.cuda()(x.cuda().bfloat16()).float().cpu()
