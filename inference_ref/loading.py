@@ -45,7 +45,18 @@ def read_tensors(model_dir: str | Path, names: list[str]) -> dict[str, torch.Ten
     for name in names:
         with safe_open(where[name], "pt") as f:
             out[name] = f.get_tensor(name)
+        scale = name + "_scale_inv"  # an FP8 weight stored with 128×128 block scales (DeepSeek-V3)
+        if out[name].dtype == torch.float8_e4m3fn and scale in where:
+            from inference_ref.quantization import dequantize_blocks
+
+            with safe_open(where[scale], "pt") as f:
+                out[name] = dequantize_blocks(out[name], f.get_tensor(scale)).to(torch.bfloat16)
     return out
+
+
+def is_scale(name: str) -> bool:
+    """A block-scale companion of an FP8 weight (read with its weight, never on its own)."""
+    return name.endswith("weight_scale_inv")
 
 
 def init_random(model: torch.nn.Module) -> None:

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from inference_ref.causal_lm import CausalLM
-from inference_ref.loading import EMBED, LM_HEAD, read_tensors, safetensors_files
+from inference_ref.loading import EMBED, LM_HEAD, is_scale, read_tensors, safetensors_files
 from inference_ref.models import KINDS, Cache, kind_of
 from inference_ref.models import Config as TargetConfig
 from inference_ref.models.llama import load_llama
@@ -88,7 +88,7 @@ def check_checkpoint(path: Path, cfg: TargetConfig) -> None:
     layers = cfg.num_hidden_layers
     for name in sorted(set(found) - set(expected) - stacked):
         beyond = name.startswith("model.layers.") and int(name.split(".")[2]) >= layers  # a shipped MTP layer
-        if not (beyond or name.endswith("rotary_emb.inv_freq") or name == LM_HEAD):
+        if not (beyond or name.endswith("rotary_emb.inv_freq") or name == LM_HEAD or is_scale(name)):
             raise ValueError(
                 f"{path}: tensor {name} {list(found[name])} has no place in a {cfg.model_type} of this config"
             )

@@ -82,9 +82,27 @@ def test_deepseek_v3_greedy_decoding_is_transformers(twins):
         assert tokens == ref[0, len(prompt) :].tolist()
 
 
-def test_fp8_checkpoints_are_refused_until_the_fp8_target_exists():
-    with pytest.raises(ValueError, match="FP8"):
-        DeepseekV3Config.from_hf({**CFG.to_hf(), "quantization_config": {"quant_method": "fp8"}})
+def test_fp8_block_scaled_checkpoints_load_as_they_are(tmp_path):
+    """DeepSeek-V3's hub format: e4m3 weights with one scale per 128×128 tile (`weight_scale_inv`)
+    and a `quantization_config`; read tile by tile into the model's weights."""
+    model = KINDS["deepseek_v3"].random(CFG, seed=0)
+    weights = {k: v.contiguous() for k, v in KINDS["deepseek_v3"].hf_state_dict(model).items()}
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    w = weights[name]
+    scale = w.abs().amax().reshape(1, 1) / 448.0  # one tile: this tiny weight is < 128 × 128
+    weights[name] = (w / scale).to(torch.float8_e4m3fn)
+    weights[name + "_scale_inv"] = scale.float()
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    hf = {**CFG.to_hf(), "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    loaded = load_target(tmp_path)
+    got = loaded.layers[1].self_attn.kv_b_proj.weight
+    assert torch.allclose(got, w, rtol=0.07, atol=scale.item() * 16)  # e4m3: 3 mantissa bits
+    assert not torch.equal(got, w)  # it did go through FP8
+    with pytest.raises(ValueError, match="128×128"):
+        DeepseekV3Config.from_hf(
+            {**CFG.to_hf(), "quantization_config": {"quant_method": "fp8", "weight_block_size": [1, 128]}}
+        )
 
 
 def test_a_nextn_head_starts_from_the_shipped_mtp_layer_trains_and_exports(smollm2, tmp_path):

@@ -5,8 +5,9 @@ top-k over the groups whose two best experts score highest (`noaux_tc`), renorma
 (`norm_topk_prob`) × `routed_scaling_factor` (`deepseek_v2.moe.Router`). The checkpoint's MTP layer
 (`model.layers.{num_hidden_layers}`) is not part of the target; a head can start from it.
 
-The hub checkpoints store weights in FP8 with 128×128 block scales (`weight_scale_inv`); this kind
-loads bf16/fp32 checkpoints (a dequantized copy) until the FP8 target exists.
+The hub checkpoints store weights in FP8 with 128×128 block scales (`weight_scale_inv`): they load
+as they are, dequantized tile by tile as they are read (`loading.read_tensors`); with
+`model.quantization=fp8` the linear maps are then FP8 again, with per-channel scales.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ class DeepseekV3Config(DeepseekV2Config):
             "attention_bias must be false": bool(hf.get("attention_bias")),
             "rope_type must be default or yarn": rope.get("rope_type", rope.get("type", "default"))
             not in ("default", "yarn"),
-            "weights stored in FP8 (quantization_config) need the FP8 target": "quantization_config" in hf,
+            "quantization_config must be fp8 with 128×128 weight blocks": "quantization_config" in hf
+            and (
+                hf["quantization_config"].get("quant_method") != "fp8"
+                or list(hf["quantization_config"].get("weight_block_size", [128, 128])) != [128, 128]
+            ),
         }
         problems = [what for what, bad in unsupported.items() if bad]
         if problems:

@@ -14,6 +14,7 @@ from inference_ref.loading import (
     FINAL_NORM,
     LM_HEAD,
     init_random,
+    is_scale,
     placed,
     read_tensors,
     safetensors_files,
@@ -198,7 +199,7 @@ def load_deepseek_v2(
         # One layer at a time, placed before the next is read: host memory holds one layer's
         # tensors (about 1.2 GB for V2-Lite), not the 31 GB checkpoint and its fused copy.
         prefix = f"model.layers.{i}."
-        layer = read_tensors(path, [n for n in names if n.startswith(prefix)])
+        layer = read_tensors(path, [n for n in names if n.startswith(prefix) and not is_scale(n)])
         state.update(placed(fuse_layer(layer, cfg, i), device, dtype))
     return build_model(cfg, state, device, dtype)
 
