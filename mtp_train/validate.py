@@ -22,6 +22,7 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import OmegaConf
+from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from inference_ref.causal_lm import cu_seqlens_of
@@ -90,19 +91,26 @@ def answer_turns(ev: Evaluator, prompts: list[Prompt], batch_size: int, answer) 
     return dialogs
 
 
-def timed_pass(ev: Evaluator, prompts, vc, generate_ids) -> tuple[dict, list, list[list[int]]]:
-    """Answer every turn with `generate_ids(ids) -> new tokens per prompt`, timed.
-    Returns (new tokens and rate, dialogs, the new tokens of every answer in order)."""
+def timed_pass(
+    ev: Evaluator, prompts, vc, generate_ids, label: str | None = None
+) -> tuple[dict, list, list[list[int]]]:
+    """Answer every turn with `generate_ids(ids) -> new tokens per prompt`, timed; with a `label`,
+    a progress bar (answers done, new tokens/s, ETA). Returns (new tokens and rate, dialogs, the
+    new tokens of every answer in order)."""
     tokens: list[list[int]] = []
+    bar = tqdm(total=sum(len(p.turns) for p in prompts), desc=label, unit="answer", disable=label is None)
+    started = time.perf_counter()
 
     def answer(ids):
         out = generate_ids(ids)
         tokens.extend(out)
+        bar.update(len(out))
+        bar.set_postfix(new_tok_s=f"{sum(map(len, tokens)) / (time.perf_counter() - started):,.0f}")
         return out
 
-    started = time.perf_counter()
     dialogs = answer_turns(ev, prompts, vc.batch_size, answer)
     seconds = time.perf_counter() - started
+    bar.close()
     new_tokens = sum(map(len, tokens))
     return (
         {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds},
@@ -111,7 +119,9 @@ def timed_pass(ev: Evaluator, prompts, vc, generate_ids) -> tuple[dict, list, li
     )
 
 
-def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, seed: int):
+def speculative_pass(
+    ev: Evaluator, prompts, k: int, temperature: float, vc, seed: int, label: str | None = None
+):
     """Speculative decoding over every turn: its counts and times, the dialogs and answer tokens."""
     stats = SpecStats(k)
     generator = torch.Generator(device=ev.target.embed_tokens.weight.device).manual_seed(seed)
@@ -123,7 +133,7 @@ def speculative_pass(ev: Evaluator, prompts, k: int, temperature: float, vc, see
         merge(stats, out.stats)
         return out.tokens
 
-    timing, dialogs, tokens = timed_pass(ev, prompts, vc, generate_ids)
+    timing, dialogs, tokens = timed_pass(ev, prompts, vc, generate_ids, label)
     return stats, timing, dialogs, tokens
 
 
@@ -144,8 +154,8 @@ def speculative_report(stats: SpecStats, timing: dict) -> dict:
     }
 
 
-def target_only_pass(ev: Evaluator, prompts, vc):
-    return timed_pass(ev, prompts, vc, lambda ids: generate(ev.target, ids, vc.max_new_tokens, ev.eos))
+def target_only_pass(ev: Evaluator, prompts, vc, label: str | None = None):
+    return timed_pass(ev, prompts, vc, lambda ids: generate(ev.target, ids, vc.max_new_tokens, ev.eos), label)
 
 
 # --- teacher-forced loss, twice -----------------------------------------------------------------
@@ -270,7 +280,7 @@ def run_validation(cfg: RunConfig) -> dict:
     run = resolve_run(cfg.model, vc.dtype)
     ev = Evaluator.load(run, Path(vc.head), vc.compile)
     prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)
-    baseline, base_dialogs, base_tokens = target_only_pass(ev, prompts, vc)
+    baseline, base_dialogs, base_tokens = target_only_pass(ev, prompts, vc, "validate: target alone")
     report = {
         "head": str(vc.head),
         "target": str(run.target.dir),
@@ -287,7 +297,8 @@ def run_validation(cfg: RunConfig) -> dict:
         name = "greedy" if temperature == 0 else f"T={temperature:g}"
         runs = report["speculative"][name] = {}
         for k in vc.chain_lengths:
-            stats, timing, _, tokens = speculative_pass(ev, prompts, k, temperature, vc, vc.seed)
+            label = f"validate: {name}, k={k}"
+            stats, timing, _, tokens = speculative_pass(ev, prompts, k, temperature, vc, vc.seed, label)
             figures = speculative_report(stats, timing)
             if temperature == 0:
                 figures["identical_to_target_greedy"] = tokens == base_tokens

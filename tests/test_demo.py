@@ -45,7 +45,10 @@ def test_demo_pipeline_end_to_end(tmp_path, smollm2, capsys):
     assert (run / "validate" / "report.png").exists()
 
     # A rerun resumes every finished stage, validation included, and prints the same summary.
-    first = capsys.readouterr().out
+    captured = capsys.readouterr()
+    first = captured.out
+    # validation shows its progress: answers done, new tokens/s, ETA
+    assert "validate: target alone" in captured.err and "validate: greedy, k=2" in captured.err
     trained = (run / "train" / "train_summary.json").read_text()
     again = run_demo(overrides)
     second = capsys.readouterr().out
