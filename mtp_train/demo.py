@@ -61,6 +61,15 @@ def demo_config(overrides: list[str]):
     return cfg
 
 
+def describe_regeneration(counts: dict) -> str:
+    return (
+        f"{counts['written']} conversations answered now, {counts['already_done']} earlier; "
+        f"{counts['new_tokens']:,} new tokens; {counts['unfinished']} answers stopped at "
+        f"regenerate.max_new_tokens before the end; {counts['skipped']} prompts skipped as longer than "
+        "regenerate.max_prompt_tokens"
+    )
+
+
 def stage(name: str):
     print(f"\n=== {name} ===", flush=True)
     return time.perf_counter()
@@ -83,7 +92,7 @@ def run_demo(overrides: list[str]) -> dict:
     print(f"{run.target.dir} ({time.perf_counter() - t:.0f} s)")
     t = stage("regenerate: the target answers the prompts")
     counts = regenerate(cfg.regenerate, run.target.dir, run.device, run.dtype, run.quantization)
-    print(f"{counts} ({time.perf_counter() - t:.0f} s)")
+    print(describe_regeneration(counts) + f" ({time.perf_counter() - t:.0f} s)")
     t = stage("precompute: hidden states to the store")
     store = Store(run_precompute(cfg))
     print(f"{len(store)} samples, {int(store.lengths.sum())} tokens ({time.perf_counter() - t:.0f} s)")
@@ -95,7 +104,10 @@ def run_demo(overrides: list[str]) -> dict:
     print(f"({time.perf_counter() - t:.0f} s)")
     t = stage("export")
     exported = export(cfg)
-    print(f"{exported} ({time.perf_counter() - t:.0f} s)")
+    print(
+        ", ".join(f"{name}: {path}" for name, path in exported.items())
+        + f" ({time.perf_counter() - t:.0f} s)"
+    )
     print("\n=== summary ===")
     print(f"store: {cfg.precompute.store_dir}  ({len(store)} samples, {int(store.lengths.sum())} tokens)")
     trained = json.loads((Path(cfg.train.out_dir) / "train_summary.json").read_text())
@@ -104,7 +116,8 @@ def run_demo(overrides: list[str]) -> dict:
         f"top-1 {trained['top1']:.3f} (step 1 of the chain), {trained['seconds']:.0f} s"
     )
     print(summary(report))
-    print(f"head: {head_dir}\nexport: {exported}\nreport: {cfg.validate.report}")
+    print(f"head: {head_dir}\nexport: {', '.join(str(path) for path in exported.values())}")
+    print(f"report: {cfg.validate.report}")
     print(f"total {time.perf_counter() - started:.0f} s on {torch.get_num_threads()} threads")
     return report
 
