@@ -18,7 +18,7 @@ from torch import nn
 
 from inference_ref.causal_lm import KVCache, RMSNorm
 from inference_ref.draft import MTPDraft, fuse_head_state
-from inference_ref.head_spec import HeadSpec, output_state
+from inference_ref.head_spec import HeadSpec, draft_ids, output_state
 from inference_ref.models.llama import MLP, Attention, Rotary
 from inference_ref.target import TargetModel
 
@@ -59,7 +59,7 @@ class Eagle3Draft(MTPDraft):
     @property
     def draft_ids(self) -> torch.Tensor:
         """The target id of each draft-vocabulary row (engines store the offsets, `d2t`)."""
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     def fuse(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The layer's q|k|v and gate|up fused as the Llama target's; hidden_norm and d2t as they are."""

@@ -205,6 +205,11 @@ def check_mlp(mlp: str, kind: str, field: str) -> None:
         )
 
 
+def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """The target id of each draft-vocabulary row from the engines' offsets: draft id + d2t[draft id]."""
+    return torch.arange(len(d2t), device=d2t.device) + d2t
+
+
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's auxiliary layers where none are configured: the states entering layers 2, L/2 and
     L − 3, as vLLM (`get_eagle3_aux_hidden_state_layers` in vllm/model_executor/models/llama.py) and

@@ -12,7 +12,6 @@ hash right (saying which it skipped and why) and refuses one made with another t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from collections.abc import Callable
@@ -23,6 +22,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
+
+from mtp_train.store import file_sha256
 
 PREFIX = "ckpt-"
 
@@ -68,14 +69,6 @@ def check_identity(ckpt: Path, identity: dict) -> None:
                 f"{identity.get(part)}): an exact resume needs the same one. Use another train.out_dir, "
                 "or train.resume=false to start over"
             )
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _deepspeed(acc: Accelerator) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_ref.head_spec import HeadSpec
+from inference_ref.head_spec import HeadSpec, draft_ids
 from inference_ref.models.llama import LlamaConfig
 
 Symbolic = dict[str, tuple[str, ...]]
@@ -186,7 +186,7 @@ def eagle3_tensors(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, layer_pr
     if spec.draft_vocab_size:
         d2t = tensors["d2t"].long()
         t2d = torch.zeros(spec.target.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(len(d2t)) + d2t] = True
+        t2d[draft_ids(d2t)] = True
         out.update(d2t=d2t, t2d=t2d)
     return out
 

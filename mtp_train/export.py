@@ -25,7 +25,15 @@ import hydra
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference_ref.head_spec import CONFIG, FORMAT, FORMAT_VERSION, WEIGHTS, HeadSpec, check_head_fits_target
+from inference_ref.head_spec import (
+    CONFIG,
+    FORMAT,
+    FORMAT_VERSION,
+    WEIGHTS,
+    HeadSpec,
+    check_head_fits_target,
+    draft_ids,
+)
 from inference_ref.target import TargetConfig, frozen_target_tensors
 from mtp_train.cli import one_line_errors
 from mtp_train.config import checked  # also registers the schema Hydra composes
@@ -226,8 +234,8 @@ def load_head(head_dir: str | Path, target: Target | str | Path) -> MTPHead:
         tensors.pop(name, None)
     check_layout(tensors, native_table(spec, False), f"{head_dir / WEIGHTS}")
     check_finite_tensors(tensors, f"{head_dir / WEIGHTS}")
-    draft_ids = torch.arange(spec.vocab) + tensors["d2t"] if "d2t" in tensors else None
-    head = build(spec, frozen_target_tensors(target.dir), draft_ids)
+    ids = draft_ids(tensors["d2t"]) if "d2t" in tensors else None
+    head = build(spec, frozen_target_tensors(target.dir), ids)
     head.load_state_dict(tensors, strict=True)
     return head
 

@@ -208,7 +208,7 @@ class ShardWriter:
     def _drop_damaged(self) -> None:
         """A resumed rank re-hashes its journaled shards: one damaged since it was written leaves the
         journal and is computed again, rather than being published in the manifest unchecked."""
-        damaged = [e for e in self.shards if _file_sha256(self.dir / e["file"]) != e["sha256"]]
+        damaged = [e for e in self.shards if file_sha256(self.dir / e["file"]) != e["sha256"]]
         for entry in damaged:
             print(f"precompute rank {self.rank}: {entry['file']} is damaged; its samples are computed again")
             (self.dir / entry["file"]).unlink()
@@ -316,7 +316,8 @@ def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metada
     return sha.result(), sum(b.nbytes for b in blocks)
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 16 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 24):
@@ -504,7 +505,7 @@ class Store:
 
     def _shard_sha(self, shard: dict) -> str:
         path = self.path / shard["file"]
-        return _file_sha256(path) if path.exists() else "missing"
+        return file_sha256(path) if path.exists() else "missing"
 
     def check_target(self, identity: dict) -> None:
         """Raise ValueError if this store was made with another target, tokenizer or chat template."""

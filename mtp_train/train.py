@@ -63,7 +63,7 @@ def check_store(store: Store, head: MTPHead, identity: dict) -> None:
         raise ValueError(
             f"{store.path}: the store holds no sample (no supervised assistant tokens in the data?)"
         )
-    needed, held = list(head.spec.aux_layers), store.manifest.get("aux_layers", [])
+    needed, held = list(head.spec.aux_layers), store.aux_layers
     if needed and needed != held:
         raise ValueError(
             f"{store.path}: an {head.spec.variant} head fuses the target's layers {needed}, the store holds "

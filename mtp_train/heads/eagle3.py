@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from inference_ref.causal_lm import RMSNorm
-from inference_ref.head_spec import HeadSpec
+from inference_ref.head_spec import HeadSpec, draft_ids
 from mtp_train.head_attention import Segments
 from mtp_train.heads.llama import HeadAttention, HeadMLP
 from mtp_train.heads.mtp import MTPHead
@@ -68,4 +68,4 @@ class Eagle3Head(MTPHead):
 
     @property
     def draft_ids(self) -> torch.Tensor:
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
