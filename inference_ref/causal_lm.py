@@ -9,6 +9,7 @@ supplies its layers, its rotary module and its cache type.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -115,6 +116,9 @@ class CausalLM(nn.Module):
 
     compilable: ClassVar[bool] = True
     """Whether `compile_layers` is measured for this kind (`load_target` compiles only where it is)."""
+    tp_size: int = 1
+    """Ranks its layers are sharded over (`inference_ref.tensor_parallel`); each keeps 1/tp_size of
+    the attention heads and so of the KV cache."""
 
     def __init__(self, cfg, layers: list[nn.Module], rotary: nn.Module, cache_type):
         super().__init__()
@@ -207,8 +211,11 @@ class CausalLM(nn.Module):
         return widened(x, entering, capture, len(self.layers)), logits
 
     def new_cache(self, batch: int, max_len: int):
-        w = self.embed_tokens.weight
-        return self.cache_type.empty(self.cfg, len(self.layers), batch, max_len, w.device, w.dtype)
+        w = self.norm.weight  # replicated under tensor parallelism: a plain tensor of the compute dtype
+        cfg = self.cfg
+        if self.tp_size > 1:  # this rank's heads only
+            cfg = dataclasses.replace(cfg, num_key_value_heads=cfg.num_key_value_heads // self.tp_size)
+        return self.cache_type.empty(cfg, len(self.layers), batch, max_len, w.device, w.dtype)
 
     @torch.inference_mode()
     def forward_cached(

@@ -14,19 +14,30 @@ from inference_ref.target import Cache, TargetModel
 
 
 class DecodeStep:
-    """Next-token logits [B, V] (fp32) for ids [B, new] placed after each row's committed entries."""
+    """Next-token logits [B, V] (fp32) for ids [B, new] placed after each row's committed entries.
+    The step's states stay readable until the next call: `hidden` [B, new, H] before the final norm
+    (widened by `capture`, see `causal_lm.widened`)."""
 
-    def __init__(self, model: TargetModel, cache: Cache, new: int = 1, graph: bool | None = None):
-        self.model, self.cache = model, cache
+    def __init__(
+        self,
+        model: TargetModel,
+        cache: Cache,
+        new: int = 1,
+        graph: bool | None = None,
+        capture: tuple[int, ...] = (),
+    ):
+        self.model, self.cache, self.capture = model, cache, capture
         device = cache.lengths.device
         self.graph = None
-        if graph if graph is not None else device.type == "cuda":
+        # A sharded target (tensor parallelism) runs eager: its collectives are not captured here.
+        if graph if graph is not None else (device.type == "cuda" and model.tp_size == 1):
             self.ids = torch.zeros(cache.lengths.shape[0], new, dtype=torch.long, device=device)
             self._capture()
 
     def _run(self, ids: torch.Tensor, static: bool) -> torch.Tensor:
-        hidden = self.model.forward_cached(ids, self.cache, static=static)
-        return self.model.logits(hidden[:, -1])
+        # In a captured graph `hidden` is the graph's output buffer, which each replay refills.
+        self.hidden = self.model.forward_cached(ids, self.cache, static=static, capture=self.capture)
+        return self.model.logits(self.hidden[:, -1])
 
     @torch.inference_mode()
     def _capture(self) -> None:

@@ -78,7 +78,14 @@ class Eagle3Draft(MTPDraft):
                 tensors["embed_tokens.weight"].to(weight.device, weight.dtype)
             )
         rows = tensors.get("lm_head.weight")
-        rows = target.lm_head.weight[self.draft_ids] if rows is None else rows.to(weight.device, weight.dtype)
+        if rows is None:
+            full = target.lm_head.weight
+            full = (
+                full.full_tensor() if hasattr(full, "full_tensor") else full
+            )  # vocab-parallel: gathered once
+            rows = full[self.draft_ids]
+        else:
+            rows = rows.to(weight.device, weight.dtype)
         self.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
         self.lm_head.weight = nn.Parameter(rows, requires_grad=False)
 

@@ -76,6 +76,46 @@ def append_until_done(out: list[int], new: list[int], eos: set[int], max_new_tok
     return False
 
 
+class States:
+    """The target's states of every token a `generate` call feeds it (pass one as its `states`):
+    per row, the prompt's (prefill) and each decoded token's, i.e. all but the last new token, which
+    is never fed. These are the states precompute would compute for that text, had it been
+    tokenized the same way; generation computes them anyway, so keeping them costs a copy.
+
+    After the call `cache` still holds every row, committed through the tokens fed, with `room`
+    spare slots, and `feed` runs more tokens after them (a chat template's end of turn)."""
+
+    def __init__(self, capture: tuple[int, ...] = (), room: int = 0):
+        self.capture, self.room = capture, room
+        self.prefill: torch.Tensor | None = None  # [B, S, H'] right-padded
+        self.steps: list[torch.Tensor] = []  # [B, H'] per decode step
+        self.cache: Cache | None = None
+
+    def start(self, model: TargetModel, cache: Cache, prefill: torch.Tensor) -> None:
+        self.model, self.cache, self.prefill = model, cache, prefill
+        self.prompt_lengths = cache.lengths.tolist()
+
+    def row(self, b: int, fed: int) -> torch.Tensor:
+        """Row b's states [fed, H'] (H' = H widened by `capture`): its prompt's, then its decoded tokens'."""
+        prompt = self.prompt_lengths[b]
+        decoded = [step[b] for step in self.steps[: fed - prompt]]
+        return torch.cat([self.prefill[b, :prompt], *(x[None] for x in decoded)])
+
+    @torch.inference_mode()
+    def feed(self, tails: list[list[int]]) -> list[torch.Tensor]:
+        """The states [len(tails[b]), H'] of `tails[b]` placed after row b's committed tokens, as one
+        right-padded forward (the padding's states and cache entries are scratch). Commits nothing."""
+        width = max(map(len, tails))
+        if width == 0:
+            return [self.prefill.new_empty(0, self.prefill.shape[-1]) for _ in tails]
+        room = self.cache.max_len - int(self.cache.lengths.max())
+        if width > room:
+            raise ValueError(f"{width} tokens to feed after the rows, room for {room}: ask for more room")
+        ids, _ = right_pad(tails, self.cache.lengths.device)
+        hidden = self.model.forward_cached(ids, self.cache, capture=self.capture)
+        return [hidden[b, : len(t)] for b, t in enumerate(tails)]
+
+
 @torch.inference_mode()
 def generate(
     model: TargetModel,
@@ -84,15 +124,19 @@ def generate(
     eos_ids: Sequence[int],
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    states: States | None = None,
 ) -> list[list[int]]:
     """New tokens per prompt (up to and including the first EOS), greedy at temperature 0.
-    A `generator` must be on the model's device."""
+    A `generator` must be on the model's device. `states` keeps the target's states (see `States`)."""
     eos = set(eos_ids)
-    cache, hidden = prefill(model, prompts, max(len(p) for p in prompts) + max_new_tokens)
+    capture, room = (states.capture, states.room) if states else ((), 0)
+    cache, hidden = prefill(model, prompts, max(len(p) for p in prompts) + max_new_tokens + room, capture)
     token = sample(last_logits(model, hidden, cache.lengths), temperature, generator)
     outputs: list[list[int]] = [[] for _ in prompts]
     active = [True] * len(prompts)
-    decode = DecodeStep(model, cache)  # a CUDA graph on GPU, the eager step elsewhere
+    decode = DecodeStep(model, cache, capture=capture)  # a CUDA graph on GPU, the eager step elsewhere
+    if states:
+        states.start(model, cache, hidden)
     while True:
         for b, t in enumerate(token.tolist()):
             if active[b]:
@@ -102,5 +146,7 @@ def generate(
         # Every row steps (one batched forward); only active rows commit, so a finished row keeps
         # rewriting the same scratch slot and never grows past the cache.
         logits = decode(token[:, None])
+        if states:
+            states.steps.append(decode.hidden[:, -1].clone())  # a graph's buffer is refilled next step
         cache.lengths += torch.tensor(active, device=token.device)
         token = sample(logits, temperature, generator)

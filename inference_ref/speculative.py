@@ -109,7 +109,7 @@ def speculative_generate(
     outputs: list[list[int]] = [[] for _ in prompts]
     active = emit(outputs, [True] * len(prompts), [[0, t] for t in last.tolist()], eos, max_new_tokens)
 
-    use_graph = graph and device.type == "cuda" and temperature == 0
+    use_graph = graph and device.type == "cuda" and temperature == 0 and target.tp_size == 1
     step = SpecStep(target, draft, target_cache, draft_cache, k, temperature, generator, clock, use_graph)
     step.start(last, y, torch.tensor(active, device=device))
     while any(active):

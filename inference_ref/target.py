@@ -43,19 +43,45 @@ def read_target_config(path: str | Path) -> TargetConfig:
 
 
 def load_target(
-    path: str | Path, device="cpu", dtype=torch.float32, compile: bool = False, quantization: str = "none"
+    path: str | Path,
+    device="cpu",
+    dtype=torch.float32,
+    compile: bool = False,
+    quantization: str = "none",
+    tp_mesh=None,
+    headroom: float = 0.1,
 ) -> TargetModel:
     """Load a target from a Hugging Face directory (any kind) or a Llama `.gguf` file.
     `quantization="fp8"` turns its layers' linear maps into FP8 ones (`quantization.quantize`).
     `compile` fuses its layers (`CausalLM.compile_layers`) where that is measured: on CUDA, for a
-    kind that is `compilable`; elsewhere it is ignored."""
+    kind that is `compilable`; elsewhere it is ignored. `tp_mesh` (a one-dimensional device mesh of
+    more than one rank) shards it (`inference_ref.tensor_parallel`), each rank reading only its
+    shards. On a GPU, a target whose weights would leave less than `headroom` of its memory free is
+    refused before anything is read."""
+    from inference_ref import tensor_parallel
+
     path = Path(path)
+    tp = 1 if tp_mesh is None else tp_mesh.size()
+    if quantization == "fp8" and tp > 1:
+        raise ValueError(
+            f"model.quantization=fp8 with model.tp_size={tp} is not supported yet: use one of them"
+        )
     if path.suffix == ".gguf":
+        if tp > 1:
+            raise ValueError(
+                f"{path}: a .gguf target loads whole; convert it to a directory for model.tp_size={tp}"
+            )
         model = load_llama(path, device, dtype)
     else:
         cfg = read_target_config(path)
         check_checkpoint(path, cfg)  # headers only: before anything large is read
-        model = KINDS[cfg.model_type].load(path, device, dtype)
+        if tp > 1:
+            tensor_parallel.check_shardable(cfg, tp)
+        tensor_parallel.check_fits(cfg, tp, torch.device(device), dtype, quantization, headroom)
+        if tp > 1:
+            model = tensor_parallel.load_parallel(path, cfg, tp_mesh, device, dtype)
+        else:
+            model = KINDS[cfg.model_type].load(path, device, dtype)
     if quantization == "fp8":
         quantize(model)
     elif quantization != "none":

@@ -54,7 +54,7 @@ class ModelConfig:
             self.dtype,
             "auto, bfloat16 or float32",
         )
-        at_least("model", self, 1, "draft_vocab_size")
+        at_least("model", self, 1, "draft_vocab_size", "tp_size")
         require(
             self.aux_layers is None or len(self.aux_layers) > 0,
             "model.aux_layers",
@@ -70,6 +70,11 @@ class ModelConfig:
     """The target's linear maps: `none` (the model's dtype) or `fp8` (e4m3 weights with a scale per
     output channel, activations scaled per token; FP8 tensor cores on Hopper) for precompute,
     regeneration and validation alike. Embeddings, lm_head and routers keep the model's dtype."""
+    tp_size: int = 1
+    """Tensor-parallel ranks the target is sharded over (`inference_ref.tensor_parallel`; Llama-layer
+    kinds). Under `accelerate launch` with N processes, N / tp_size groups split precompute's data;
+    regeneration and validation run one group (N = tp_size). Set it where the weights do not fit one
+    GPU: a 70B target in bf16 needs tp_size ≥ 2 on 80 GB GPUs."""
     init_from_target_mtp: bool = False
     """Start the head from the MTP layer the target checkpoint ships (DeepSeek-V3/R1:
     `model.layers.{num_hidden_layers}.*`) instead of from random weights; needs `head_mlp: moe`."""
@@ -125,6 +130,11 @@ class RegenerateConfig:
     compiling up to five shape variants (docs/benchmarks.md). Off by default: a regeneration of 0.8M
     new tokens ran slower with it; by extrapolation it pays from about 3M. Ignored on CPU and for
     DeepSeek-V2 targets."""
+    capture: bool = False
+    """Also write the training store (`precompute.store_dir`, with `precompute`'s settings) from the
+    states the target computes while answering, instead of running it over the answers again in
+    precompute, which then finds the store complete (`mtp_train.capture`). Needs
+    `data.train_files=[<regenerate.output>]`."""
 
     def __post_init__(self):
         at_least("regenerate", self, 1, "max_prompt_tokens", "max_new_tokens", "batch_size", "limit")

@@ -341,6 +341,12 @@ def _fit(sample: Sample, cfg: DataConfig, counts: dict) -> Sample | None:
     return sample
 
 
+def training_sample(tokenizer, conv: Conversation, cfg: DataConfig) -> Sample | None:
+    """The sample `load_samples` makes of one conversation of its split (None where it drops it)."""
+    counts = dict.fromkeys(("truncated", "dropped", "unsupervised"), 0)
+    return _fit(encode(tokenizer, [conv])[0], cfg, counts)
+
+
 def load_samples(cfg: DataConfig, tokenizer, split: str = "train") -> tuple[list[Sample], dict]:
     """Training (or held-out) samples and counts: records, samples, truncated, dropped, unsupervised,
     tokens, supervised_tokens. `holdout` is the first `cfg.holdout` records of `cfg.train_files`."""

@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -30,6 +29,9 @@ DEMO = [
     "regenerate.max_new_tokens=80",
     "regenerate.max_prompt_tokens=160",
     "regenerate.batch_size=60",
+    # The store is written from the states the target computes while answering: precompute finds
+    # it complete instead of running the target over the answers again.
+    "regenerate.capture=true",
     "data.train_files=[${regenerate.output}]",
     "data.max_seq_len=320",
     "precompute.tokens_per_batch=4096",
@@ -61,6 +63,16 @@ def demo_config(overrides: list[str]):
     return cfg
 
 
+def demo_help() -> str:
+    """`python -m mtp_train.demo --help`: what it runs and the settings it adds to the recipes."""
+    settings = "\n".join(f"  {o}" for o in DEMO)
+    return (
+        f"{__doc__.strip()}\n\nusage: python -m mtp_train.demo [OVERRIDE ...]\n\n"
+        f"The demo's settings, on top of recipes/config.yaml (an override replaces one):\n{settings}\n\n"
+        "Every field and its default: python -m mtp_train.train --help"
+    )
+
+
 def describe_regeneration(counts: dict) -> str:
     return (
         f"{counts['written']} conversations answered now, {counts['already_done']} earlier; "
@@ -77,6 +89,9 @@ def stage(name: str):
 
 def run_demo(overrides: list[str]) -> dict:
     """Run every stage; returns the validation report with the stages' figures added."""
+    import torch
+
+    from mtp_train.capture import StoreCapture
     from mtp_train.export import export
     from mtp_train.precompute import run_precompute
     from mtp_train.regenerate import regenerate
@@ -90,8 +105,11 @@ def run_demo(overrides: list[str]) -> dict:
     t = stage("target")
     run = resolve_run(cfg.model)
     print(f"{run.target.dir} ({time.perf_counter() - t:.0f} s)")
-    t = stage("regenerate: the target answers the prompts")
-    counts = regenerate(cfg.regenerate, run.target.dir, run.device, run.dtype, run.quantization)
+    t = stage("regenerate: the target answers the prompts (their states go to the store)")
+    capture = StoreCapture(cfg, run.target) if cfg.regenerate.capture else None
+    counts = regenerate(
+        cfg.regenerate, run.target.dir, run.device, run.dtype, run.quantization, capture=capture
+    )
     print(describe_regeneration(counts) + f" ({time.perf_counter() - t:.0f} s)")
     t = stage("precompute: hidden states to the store")
     store = Store(run_precompute(cfg))
@@ -123,6 +141,9 @@ def run_demo(overrides: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    from mtp_train.cli import one_line_errors
+    from mtp_train.cli import help_asked, one_line_errors
 
+    if help_asked():
+        print(demo_help())
+        sys.exit(0)
     one_line_errors(run_demo)(sys.argv[1:])

@@ -14,6 +14,11 @@ leaves either the previous head or none, never half of one.
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (the imports below come after `--help` is answered)
+from mtp_train.cli import answer_help_first
+
+answer_help_first(__name__, __file__)  # before torch & co.: they take seconds to import
+
 import json
 import os
 import shutil

@@ -10,12 +10,19 @@ On one H200 (a random 0.6B Llama, H=2048, 8 layers, 1.3M tokens) the forward alo
 ~330k tokens/s and the whole precompute keeps pace with it: writing a bf16 store at that rate is
 ~1.3 GB/s, which is why shards are committed by two threads with hashing overlapped with writing.
 
-Under `accelerate launch` sample k goes to rank k % world; each rank writes its own shards and,
-after a barrier, rank 0 merges the ranks' shard lists into `manifest.json`. A rerun after a crash
+Under `accelerate launch` sample k goes to data-parallel rank k % world; each writes its own shards
+and, after a barrier, rank 0 merges the ranks' shard lists into `manifest.json`. With
+`model.tp_size` > 1 a data-parallel rank is a group of tp_size processes sharding the target
+(`mtp_train.parallel`): all of them forward, the group's leader writes. A rerun after a crash
 skips the samples in journaled shards (see `mtp_train.store`); a rerun of a finished store does nothing.
 """
 
 from __future__ import annotations
+
+# ruff: noqa: E402  (the imports below come after `--help` is answered)
+from mtp_train.cli import answer_help_first
+
+answer_help_first(__name__, __file__)  # before torch & co.: they take seconds to import
 
 import hashlib
 import json
@@ -31,8 +38,6 @@ from pathlib import Path
 import hydra
 import numpy as np
 import torch
-from accelerate import PartialState
-from accelerate.utils import parse_flag_from_env
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
@@ -42,6 +47,7 @@ from inference_ref.target import TargetModel, load_target
 from mtp_train import config as _config  # noqa: F401  (registers the Hydra schema)
 from mtp_train.cli import one_line_errors
 from mtp_train.data import Sample, load_samples
+from mtp_train.parallel import Ranks, launched_ranks
 from mtp_train.run import Target, aux_layers_of
 from mtp_train.store import (
     FORMAT,
@@ -88,21 +94,25 @@ class RankJob:
 
 def run_precompute(cfg) -> Path:
     """Write (or finish) the store for `cfg.model.target` × `cfg.data`; returns the store directory."""
-    # cpu=True where there is no GPU: otherwise accelerate ignores torchrun/`accelerate launch --cpu`
-    # ranks on a CPU-only host, and every process would think it is rank 0 of 1.
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
-    job = prepare(cfg, state.process_index, state.num_processes)
+    ranks = launched_ranks(cfg.model.tp_size)
+    job = prepare(cfg, ranks.dp_rank, ranks.dp_size)
     if job.complete:
-        state.print(f"precompute: {job.store_dir} is already complete")
+        if ranks.main:
+            print(f"precompute: {job.store_dir} is already complete")
         return job.store_dir
-    check_disk(job.store_dir, job.header, verbose=state.is_main_process)
-    precompute_rank(job, state.device)
-    state.wait_for_everyone()
-    if state.is_main_process:
+    check_disk(job.store_dir, job.header, verbose=ranks.main)
+    precompute_rank(job, ranks)
+    barrier()
+    if ranks.main:
         manifest = merge_manifests(job.store_dir, job.header)
         print(f"precompute: {describe(manifest)} → {job.store_dir}")
-    state.wait_for_everyone()
+    barrier()
     return job.store_dir
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def prepare(cfg, rank: int, world: int) -> RankJob:
@@ -246,41 +256,53 @@ def describe(manifest: dict) -> str:
 # One rank's work
 
 
-def precompute_rank(job: RankJob, device) -> None:
-    """Forward this rank's not-yet-stored samples and write them; then write the rank's manifest."""
-    writer = ShardWriter(job.store_dir, job.rank, job.shard_tokens, job.hidden_dtype)
-    done = writer.done_ids()
+def precompute_rank(job: RankJob, ranks: Ranks) -> None:
+    """Forward this data-parallel rank's not-yet-stored samples and write them; then write the
+    rank's manifest. In a tensor-parallel group every rank runs the forwards, the leader writes."""
+    writer = (
+        ShardWriter(job.store_dir, job.rank, job.shard_tokens, job.hidden_dtype) if ranks.leader else None
+    )
+    done = ranks.broadcast(writer.done_ids() if writer else None)
     todo = [k for k in range(job.rank, len(job.samples), job.world) if k not in done]
-    if done:
+    if done and ranks.leader:
         print(f"precompute rank {job.rank}: resuming, {len(done)} samples stored, {len(todo)} to go")
     if todo:
-        device = torch.device(device)
-        dtype = model_dtype(job.model_dtype, device)
-        model = load_target(job.target_dir, device, dtype, job.compile, job.quantization)
+        dtype = model_dtype(job.model_dtype, ranks.device)
+        model = load_target(job.target_dir, ranks.device, dtype, job.compile, job.quantization, ranks.tp_mesh)
         started = time.perf_counter()
         tokens = write_hidden_states(model, job, todo, writer)
         seconds = time.perf_counter() - started
         # per rank and without the model's load, so that N ranks can be set against one
-        print(
-            f"precompute rank {job.rank}: {tokens:,} tokens in {seconds:.1f} s ({tokens / seconds:,.0f} tok/s)"
-        )
-    writer.finish()
+        if ranks.leader:
+            print(
+                f"precompute rank {job.rank}: {tokens:,} tokens in {seconds:.1f} s ({tokens / seconds:,.0f} tok/s)"
+            )
+    if writer:
+        writer.finish()
 
 
-def write_hidden_states(model: TargetModel, job: RankJob, todo: list[int], writer: ShardWriter) -> int:
-    """Forward and store the `todo` samples; returns the tokens written."""
+def write_hidden_states(model: TargetModel, job: RankJob, todo: list[int], writer: ShardWriter | None) -> int:
+    """Forward the `todo` samples and store them (`writer`; None: a tensor-parallel rank that only
+    computes its part); returns the tokens forwarded."""
     lengths = {k: len(job.samples[k].input_ids) for k in todo}
     total = sum(lengths.values())
     # tqdm's rate and ETA are in tokens; one bar (rank 0) stands for all ranks, which run in step.
-    bar = tqdm(total=total, unit="tok", unit_scale=True, desc="precompute", disable=job.rank != 0)
-    background = BackgroundWriter(writer, WRITE_QUEUE_DEPTH)
+    bar = tqdm(
+        total=total, unit="tok", unit_scale=True, desc="precompute", disable=job.rank != 0 or not writer
+    )
+    background = BackgroundWriter(writer, WRITE_QUEUE_DEPTH) if writer else None
     try:
         with torch.inference_mode():
             for ids in pack_by_length(todo, lengths, job.tokens_per_batch):
-                background.put(forward_batch(model, job.samples, ids, job.hidden_dtype, job.capture))
+                batch = forward_batch(
+                    model, job.samples, ids, job.hidden_dtype, job.capture, copy=bool(writer)
+                )
+                if background:
+                    background.put(batch)
                 bar.update(sum(lengths[k] for k in ids))
     finally:
-        background.close()
+        if background:
+            background.close()
         bar.close()
     return total
 
@@ -335,16 +357,20 @@ def forward_batch(
     ids: list[int],
     hidden_dtype: str,
     capture: tuple[int, ...] = (),
-) -> HostBatch:
+    copy: bool = True,
+) -> HostBatch | None:
     """Run one packed batch and start copying its (encoded) hidden states to pinned host memory:
-    the last layer's, widened by the `capture` layers' (`causal_lm.widened`)."""
-    device = model.embed_tokens.weight.device
+    the last layer's, widened by the `capture` layers' (`causal_lm.widened`). `copy=False`: the
+    forward only (a tensor-parallel rank whose leader writes)."""
+    device = model.norm.weight.device
     lengths = [len(samples[k].input_ids) for k in ids]
     input_ids = torch.tensor([t for k in ids for t in samples[k].input_ids], dtype=torch.int32)
     loss_mask = torch.tensor([m for k in ids for m in samples[k].loss_mask], dtype=torch.uint8)
     hidden, _ = model.forward_packed(
         input_ids.to(device, torch.long), cu_seqlens_of(lengths, device), capture=capture
     )
+    if not copy:
+        return None
     encoded = encode_hidden(hidden, hidden_dtype, 1 + len(capture))
     host = [None if t is None else to_host(t) for t in encoded]
     copied = None

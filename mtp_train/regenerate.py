@@ -11,7 +11,13 @@ flight and writes nothing twice.
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (the imports below come after `--help` is answered)
+from mtp_train.cli import answer_help_first
+
+answer_help_first(__name__, __file__)  # before torch & co.: they take seconds to import
+
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,9 +29,11 @@ from transformers import AutoTokenizer
 
 from inference_ref.generate import generate
 from inference_ref.target import load_target
+from mtp_train.capture import StoreCapture
 from mtp_train.cli import one_line_errors
 from mtp_train.config import ConfigError, RegenerateConfig, checked
 from mtp_train.data import Message, Prompt, load_prompts, prompt_ids
+from mtp_train.parallel import from_leader
 from mtp_train.run import resolve_run
 
 
@@ -57,6 +65,13 @@ def written_ids(path: Path) -> set[str]:
     return {json.loads(line)["id"] for line in complete.decode("utf-8").splitlines() if line.strip()}
 
 
+def group_written_ids(path: Path, tp_mesh) -> set[str]:
+    """`written_ids` read by a tensor-parallel group's first rank (which may cut a torn line) and
+    given to the others, so that every rank answers the same prompts."""
+    leader = tp_mesh is None or tp_mesh.get_local_rank() == 0
+    return from_leader(written_ids(path) if leader else None, tp_mesh)
+
+
 def pending(prompts: list[Prompt], done: set[str], tokenizer, max_prompt_tokens: int, counts: Counts):
     """Prompts still to answer, longest first prompt first (so a batch that does not fit fails at once)."""
     todo = [p for p in prompts if p.id not in done]
@@ -82,9 +97,17 @@ def answer_text(tokenizer, new: list[int], eos: set[int], counts: Counts) -> str
 class Answerer:
     """The target, its tokenizer and the generation settings: answers a batch of conversations."""
 
-    def __init__(self, model, tokenizer, rcfg: RegenerateConfig, generator: torch.Generator | None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        rcfg: RegenerateConfig,
+        generator: torch.Generator | None,
+        capture: StoreCapture | None = None,
+    ):
         self.model, self.tokenizer, self.rcfg, self.generator = model, tokenizer, rcfg, generator
         self.eos = set(model.cfg.eos_token_ids) | {tokenizer.eos_token_id}
+        self.capture = capture
 
     def batch(self, prompts: list[Prompt], counts: Counts) -> list[dict]:
         """Answer turn 1 of every conversation together, then turn 2 of those that have one, ..."""
@@ -104,11 +127,14 @@ class Answerer:
         if not asking:
             return []
         ids = [x for x, ok in zip(ids, fits) if ok]
-        rc = self.rcfg
-        new = generate(self.model, ids, rc.max_new_tokens, sorted(self.eos), rc.temperature, self.generator)
+        rc, states = self.rcfg, self.capture and self.capture.states()
+        eos = sorted(self.eos)
+        new = generate(self.model, ids, rc.max_new_tokens, eos, rc.temperature, self.generator, states)
         for i, tokens in zip(asking, new):
             content = answer_text(self.tokenizer, tokens, self.eos, counts)
             dialogs[i] += prompts[i].turns[turn] + [{"role": "assistant", "content": content}]
+        if states:
+            self.capture.keep([prompts[i].id for i in asking], [dialogs[i] for i in asking], ids, new, states)
         return asking
 
 
@@ -118,30 +144,47 @@ def regenerate(
     device="cpu",
     dtype=torch.float32,
     quantization: str = "none",
+    tp_mesh=None,
+    capture: StoreCapture | None = None,
 ) -> dict:
-    """Answer `rcfg.prompts` with the target at `target_dir`, appending to `rcfg.output`; returns counts."""
+    """Answer `rcfg.prompts` with the target at `target_dir`, appending to `rcfg.output`; returns counts.
+    `tp_mesh`: the target sharded over a tensor-parallel group, whose ranks answer in step (the
+    same prompts, the same tokens) and whose first rank writes. `capture`: the training store
+    written from the generation's states as it goes (`regenerate.capture`)."""
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     out, counts = Path(rcfg.output), Counts()
     prompts = load_prompts(rcfg.prompts, limit=rcfg.limit)
     if not prompts:
         raise ValueError(f"regenerate.prompts {list(rcfg.prompts)} hold no prompt")
-    todo = pending(prompts, written_ids(out), tokenizer, rcfg.max_prompt_tokens, counts)
+    leader = tp_mesh is None or tp_mesh.get_local_rank() == 0
+    todo = pending(prompts, group_written_ids(out, tp_mesh), tokenizer, rcfg.max_prompt_tokens, counts)
+    if capture:
+        capture.open(tokenizer)  # after `written_ids` has cut a torn last line
     if not todo:  # a rerun after a finished regeneration: nothing to load the target for
+        if capture:  # unless the store has samples left from a run killed before its end
+            capture.finish(lambda: load_target(target_dir, device, dtype, rcfg.compile, quantization))
         return asdict(counts)
     # Sampled answers are reproducible for one uninterrupted run; a resumed run draws anew.
     generator = torch.Generator(device=device).manual_seed(rcfg.seed)
-    target = load_target(target_dir, device, dtype, rcfg.compile, quantization)
-    answerer = Answerer(target, tokenizer, rcfg, generator)
+    target = load_target(target_dir, device, dtype, rcfg.compile, quantization, tp_mesh)
+    answerer = Answerer(target, tokenizer, rcfg, generator, capture)
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    with out.open("a", encoding="utf-8") as f, tqdm(total=len(todo), unit="conv", desc="regenerate") as bar:
+    with (
+        out.open("a", encoding="utf-8") if leader else open(os.devnull, "w") as f,
+        tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not leader) as bar,
+    ):
         for start in range(0, len(todo), rcfg.batch_size):
             records = answerer.batch(todo[start : start + rcfg.batch_size], counts)
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
             f.flush()  # one batch at a time: a kill loses at most the batch in flight
+            if capture:
+                capture.add(records)
             counts.written += len(records)
             bar.update(min(rcfg.batch_size, len(todo) - start))
             bar.set_postfix(new_tok_s=f"{counts.new_tokens / (time.perf_counter() - started):.0f}")
+    if capture:
+        capture.finish(lambda: target)
     return asdict(counts)
 
 
@@ -151,9 +194,14 @@ def main(cfg) -> None:
     checked(cfg)
     if not cfg.regenerate.prompts:
         raise ConfigError("regenerate.prompts is empty: name the prompt files the target answers")
-    run = resolve_run(cfg.model)
+    run = resolve_run(cfg.model, sharded_as="mtp_train.regenerate")
+    capture = StoreCapture(cfg, run.target) if cfg.regenerate.capture else None
     started = time.perf_counter()
-    counts = regenerate(cfg.regenerate, run.target.dir, run.device, run.dtype, run.quantization)
+    counts = regenerate(
+        cfg.regenerate, run.target.dir, run.device, run.dtype, run.quantization, run.tp_mesh, capture
+    )
+    if not run.leader:
+        return
     seconds = time.perf_counter() - started
     rate = counts["new_tokens"] / seconds
     print(

@@ -16,6 +16,7 @@ import torch
 
 from inference_ref.head_spec import HEAD_KINDS, HeadSpec, default_aux_layers
 from inference_ref.target import TargetConfig, read_target_config
+from mtp_train.parallel import launched_ranks, one_group
 from mtp_train.targets import default_device, model_dtype, resolve_target, target_identity
 
 
@@ -43,14 +44,29 @@ class Run:
     """Compute dtype of the target (and of validation's head)."""
     quantization: str = "none"
     """`model.quantization`: how the target's linear maps run."""
+    tp_mesh: object | None = None
+    """The tensor-parallel group's DeviceMesh (`model.tp_size` > 1): the target is sharded over it."""
+
+    @property
+    def leader(self) -> bool:
+        """Whether this process writes the stage's outputs (its tensor-parallel group's first rank)."""
+        return self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0
 
 
-def resolve_run(model, dtype: str | None = None, device: torch.device | None = None) -> Run:
+def resolve_run(
+    model, dtype: str | None = None, device: torch.device | None = None, sharded_as: str | None = None
+) -> Run:
     """The run of `model` (the `model` config group) on `device` (default: CUDA if present) in
-    `dtype` (a dtype name; default: `model.dtype`)."""
+    `dtype` (a dtype name; default: `model.dtype`). `sharded_as`: the entry point (e.g.
+    "mtp_train.validate") of a stage that runs the whole target, which then runs as one
+    tensor-parallel group of `model.tp_size` launched processes, each on its own device."""
+    mesh = None
+    if sharded_as and model.tp_size > 1:
+        ranks = one_group(launched_ranks(model.tp_size, sharded_as), sharded_as)
+        device, mesh = ranks.device, ranks.tp_mesh
     device = device or default_device()
     dtype = model_dtype(dtype or model.dtype, device)
-    return Run(Target.resolve(model.target), device, dtype, model.quantization)
+    return Run(Target.resolve(model.target), device, dtype, model.quantization, mesh)
 
 
 # EAGLE-3's draft vocabulary where none is configured, for targets of ≥ 100k tokens (Llama 3's 128k):

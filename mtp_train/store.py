@@ -34,6 +34,14 @@ Readers memory-map the shards (no file descriptor is held per shard).
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (the imports below come after `--help` is answered)
+from mtp_train.cli import answer_help_first
+
+USAGE = """usage: python -m mtp_train.store verify|repair STORE_DIR
+  verify  check the manifest's counts and every shard's sha256
+  repair  drop damaged or missing shards (rerunning precompute recomputes their samples)"""
+answer_help_first(__name__, __file__, USAGE)  # before torch: it takes seconds to import
+
 import hashlib
 import json
 import os
@@ -544,7 +552,7 @@ def repair(store_dir: str | Path) -> list[str]:
 def main(argv: list[str]) -> None:
     """`python -m mtp_train.store verify|repair STORE_DIR`."""
     if len(argv) != 2 or argv[0] not in ("verify", "repair"):
-        raise SystemExit("usage: python -m mtp_train.store verify|repair STORE_DIR")
+        raise SystemExit(USAGE)
     if argv[0] == "verify":
         Store(argv[1]).verify()
         print(f"{argv[1]}: every shard intact")

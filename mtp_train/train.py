@@ -10,6 +10,11 @@ with accumulation N·A, and a resumed run continues from its step number.
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (the imports below come after `--help` is answered)
+from mtp_train.cli import answer_help_first
+
+answer_help_first(__name__, __file__)  # before torch & co.: they take seconds to import
+
 import hashlib
 import json
 import math

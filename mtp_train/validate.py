@@ -13,6 +13,11 @@ Two measurements, both on the evaluation prompts (MT-bench by default, every tur
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (the imports below come after `--help` is answered)
+from mtp_train.cli import answer_help_first
+
+answer_help_first(__name__, __file__)  # before torch & co.: they take seconds to import
+
 import hashlib
 import json
 import time
@@ -56,7 +61,7 @@ class Evaluator:
         config = json.loads((Path(head_dir) / "config.json").read_text())
         check_head_fits_target(config, run.target.config)  # before loading the target
         check_same_target(run.target.identity, config["target"], f"head {head_dir}")
-        target = load_target(run.target.dir, run.device, run.dtype, compile, run.quantization)
+        target = load_target(run.target.dir, run.device, run.dtype, compile, run.quantization, run.tp_mesh)
         tokenizer = AutoTokenizer.from_pretrained(str(run.target.dir))
         eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
         return cls(target, load_draft(head_dir, target), tokenizer, eos)
@@ -277,7 +282,7 @@ def run_validation(cfg: RunConfig) -> dict:
     if previous.exists() and json.loads(previous.read_text()).get("fingerprint") == fingerprint:
         print(f"validation: {previous} was made with this head and these settings; reused")
         return json.loads(previous.read_text())
-    run = resolve_run(cfg.model, vc.dtype)
+    run = resolve_run(cfg.model, vc.dtype, sharded_as="mtp_train.validate")
     ev = Evaluator.load(run, Path(vc.head), vc.compile)
     prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)
     baseline, base_dialogs, base_tokens = target_only_pass(ev, prompts, vc, "validate: target alone")
@@ -313,7 +318,8 @@ def run_validation(cfg: RunConfig) -> dict:
     rounding = store_rounding(cfg, run.device)
     report["teacher_forced"] = teacher_forced(ev, head, samples, rounding, cfg.train.loss_chunk_logits)
     report["teacher_forced"]["text"] = "data.holdout" if held else "target answers to eval_files"
-    write_report(report, Path(vc.report))
+    if run.leader:  # a tensor-parallel group's ranks hold the same report
+        write_report(report, Path(vc.report))
     return report
 
 
@@ -328,6 +334,12 @@ class DuringTraining:
     validates, and the work is split N ways. Each process loads the target for this."""
 
     def __init__(self, cfg: RunConfig, run: Run, rank: int = 0, world: int = 1):
+        if cfg.model.tp_size > 1:
+            raise ConfigError(
+                f"train.validate_every / train.spec_validate_at load the whole target on every training "
+                f"process, and model.tp_size={cfg.model.tp_size} says it does not fit one GPU: validate "
+                "after training (mtp_train.validate, launched as one tensor-parallel group)"
+            )
         self.cfg, self.run, self.rank, self.world = cfg, run, rank, world
         self.ev: Evaluator | None = None
         vc = cfg.validate
@@ -505,6 +517,8 @@ def summary(report: dict) -> str:
 @one_line_errors
 def main(cfg: RunConfig) -> None:
     report = run_validation(cfg)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return  # the other ranks of a tensor-parallel group: the same report, printed once
     print(summary(report))
     print(f"report: {cfg.validate.report}")
 

@@ -2,4 +2,4 @@
 # llama3_3_70b on one 8-GPU node (DeepSpeed ZERO3); see recipes/model/llama3_3_70b.yaml for the batch and lr.
 # Usage: scripts/llama3_3_70b.sh TARGET_DIR PROMPTS.jsonl [extra Hydra overrides...]
 set -euo pipefail
-exec "$(dirname "$0")/pipeline.sh" llama3_3_70b "$1" "$2" launch/accelerate/zero3_8gpu.yaml "${@:3}"
+TP_SIZE=2 exec "$(dirname "$0")/pipeline.sh" llama3_3_70b "$1" "$2" launch/accelerate/zero3_8gpu.yaml "${@:3}"

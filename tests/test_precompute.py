@@ -22,12 +22,15 @@ from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.models.llama import load_llama
 from mtp_train.config import RunConfig
 from mtp_train.data import load_samples
+from mtp_train.parallel import Ranks
 from mtp_train.precompute import pack_by_length, precompute_rank, prepare, run_precompute
 from mtp_train.store import Store, merge_manifests
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over a lazy dog while seven tired wizards brew strange potions".split()
 NUM_RECORDS = 16
+# Data-parallel ranks 0 and 1 of 2, without tensor parallelism, run here one after the other.
+CPU_RANK0, CPU_RANK1 = (Ranks(r, 2, 0, 1, torch.device("cpu")) for r in (0, 1))
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +184,7 @@ def test_two_ranks_each_take_a_disjoint_share(reference, tiny_target, chat_file,
     store_dir = tmp_path / "store"
     cfg = make_cfg(tiny_target, chat_file, store_dir)
     job0 = prepare(cfg, rank=0, world=2)
-    precompute_rank(job0, "cpu")
+    precompute_rank(job0, CPU_RANK0)
 
     # Rank 1 has not run: the store cannot be merged, nor resumed by a different number of processes.
     with pytest.raises(FileNotFoundError, match="rank 1 has not finished"):
@@ -189,7 +192,7 @@ def test_two_ranks_each_take_a_disjoint_share(reference, tiny_target, chat_file,
     with pytest.raises(ValueError, match="world_size 2, this run has 1"):
         run_precompute(cfg)
 
-    precompute_rank(prepare(cfg, rank=1, world=2), "cpu")
+    precompute_rank(prepare(cfg, rank=1, world=2), CPU_RANK1)
     merge_manifests(store_dir, job0.header)
     store = Store(store_dir)
     assert_same_store(store, reference)
@@ -227,6 +230,34 @@ def test_command_line_with_two_processes(reference, tiny_target, chat_file, tmp_
     store = Store(tmp_path / "store")  # precompute.store_dir defaults to ${run_dir}/store
     assert store.manifest["world_size"] == 2
     assert {s["rank"] for s in store.manifest["shards"]} == {0, 1}
+    assert_same_store(store, reference)
+
+
+def test_command_line_with_a_tensor_parallel_group(reference, tiny_target, chat_file, tmp_path):
+    """`model.tp_size=2` over two processes: one data-parallel rank whose target is sharded two
+    ways; both forward, the group's leader writes; the store is the single-process one."""
+    overrides = [
+        "model=tiny_random",
+        f"model.target={tiny_target}",
+        "model.tp_size=2",
+        "model.dtype=float32",
+        f"data.train_files=[{chat_file}]",
+        f"run_dir={tmp_path}",
+        "precompute.shard_tokens=200",
+        "precompute.tokens_per_batch=256",
+    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    out = subprocess.run(
+        [*torchrun, "-m", "mtp_train.precompute", *overrides],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    store = Store(tmp_path / "store")
+    assert store.manifest["world_size"] == 1 and {s["rank"] for s in store.manifest["shards"]} == {0}
     assert_same_store(store, reference)
 
 

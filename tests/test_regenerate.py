@@ -159,9 +159,9 @@ def test_compile_option_reaches_the_target_and_is_ignored_on_cpu(
     asked = []
     load = regen.load_target
 
-    def recording_load(path, device, dtype, compile=False, quantization="none"):
+    def recording_load(path, device, dtype, compile=False, quantization="none", tp_mesh=None):
         asked.append(compile)
-        model = load(path, device, dtype, compile, quantization)
+        model = load(path, device, dtype, compile, quantization, tp_mesh)
         assert not model.compiled_layers
         return model
 

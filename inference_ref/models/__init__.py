@@ -52,6 +52,9 @@ class TargetKind(NamedTuple):
     """The debug shape: a few layers of 64 wide, every structural feature of the kind kept."""
     shared: tuple[str, ...] = (EMBED, FINAL_NORM, LM_HEAD)
     """The checkpoint's tensors a head shares: embeddings, final norm, lm_head."""
+    fuse_layer: Callable[[dict, str, str], dict] | None = None
+    """`(hf, prefix, new_prefix)`: one decoder layer's checkpoint tensors → the model's names. Kinds
+    that have it are Llama-layered and shard over tensor parallelism (`inference_ref.tensor_parallel`)."""
 
 
 KINDS: dict[str, TargetKind] = {
@@ -65,6 +68,7 @@ KINDS: dict[str, TargetKind] = {
         llama.fuse_head_layer,
         ("dense",),
         llama.TINY,
+        fuse_layer=llama.fuse_layer,
     ),
     qwen3.Qwen3Config.model_type: TargetKind(
         qwen3.Qwen3Config,
@@ -76,6 +80,7 @@ KINDS: dict[str, TargetKind] = {
         qwen3.fuse_head_layer,
         ("dense",),
         qwen3.TINY,
+        fuse_layer=llama.fuse_layer,
     ),
     qwen3_moe.Qwen3MoeConfig.model_type: TargetKind(
         qwen3_moe.Qwen3MoeConfig,

@@ -1,0 +1,109 @@
+"""Tensor parallelism (`inference_ref.tensor_parallel`): the sharded target against the whole one
+in two real processes (gloo on CPU), the row interleaving, the refusals and the memory check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference_ref.models.llama import LlamaConfig
+from inference_ref.tensor_parallel import (
+    GiB,
+    check_shardable,
+    fit_error,
+    interleave_rows,
+    weight_bytes_per_rank,
+)
+from tiny import tiny_deepseek, tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+LLAMA_70B = LlamaConfig(
+    vocab_size=128256,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+)
+
+
+def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [*TORCHRUN, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def test_two_way_sharded_target_equals_the_whole_one(tmp_path):
+    """fp32: the packed states and logits within 1e-5 (relative), greedy generation token-identical,
+    the speculative loop's tokens and its acceptance counts (verify steps, drafts tried and accepted
+    per position) identical, for an untied target (vocab-parallel embedding and lm_head) and a
+    tied one (replicated table)."""
+    torchrun("tests/tensor_parallel_worker.py", str(tmp_path / "result.json"))
+    results = json.loads((tmp_path / "result.json").read_text())
+    assert set(results) == {"untied", "tied"}
+    for figures in results.values():
+        assert figures["hidden_rel_err"] <= 1e-5 and figures["logits_rel_err"] <= 1e-5
+        assert figures["generate_equal"]
+        for k in ("k1", "k3"):
+            assert figures[k]["tokens_equal"]
+            assert figures[k]["counts_sharded"] == figures[k]["counts_whole"]
+    assert results["untied"]["k3"]["counts_whole"][2][0] < results["untied"]["k3"]["counts_whole"][1][0]
+
+
+def test_interleaved_rows_give_each_rank_its_part_of_every_block():
+    q, k, v = torch.arange(8), 100 + torch.arange(4), 200 + torch.arange(4)
+    fused = torch.cat([q, k, v])[:, None]
+    parts = interleave_rows(fused, [8, 4, 4], 2).chunk(2)
+    assert parts[0].flatten().tolist() == [0, 1, 2, 3, 100, 101, 200, 201]
+    assert parts[1].flatten().tolist() == [4, 5, 6, 7, 102, 103, 202, 203]
+
+
+def test_refuses_what_it_cannot_shard():
+    with pytest.raises(ValueError, match="not deepseek_v2.*model.tp_size=1"):
+        check_shardable(tiny_deepseek(), 2)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_shardable(tiny_llama(), 4)  # 2 KV heads
+    check_shardable(tiny_llama(), 2)
+
+
+def test_weight_bytes_per_rank_at_the_70b_shape():
+    """70.6B weights: 141 GB in bf16 whole; at TP 2 each rank holds half of every linear map and
+    of both vocabulary tables, and the norms whole."""
+    whole = weight_bytes_per_rank(LLAMA_70B, 1, 2)
+    assert abs(whole / 1e9 - 141.1) < 0.2
+    norms = (2 * LLAMA_70B.num_hidden_layers + 1) * LLAMA_70B.hidden_size * 2
+    assert weight_bytes_per_rank(LLAMA_70B, 2, 2) == pytest.approx((whole - norms) / 2 + norms, rel=1e-9)
+
+
+def test_a_target_that_does_not_fit_is_refused_with_the_override_that_would():
+    h100 = 80 * GiB
+    error = fit_error(LLAMA_70B, 1, 2, free=int(79 * GiB), total=h100, headroom=0.1, fp8=False)
+    assert "131.4 GiB per GPU at model.tp_size=1" in error and "use model.tp_size=2" in error
+    assert fit_error(LLAMA_70B, 2, 2, free=int(79 * GiB), total=h100, headroom=0.1, fp8=False) is None
+    error = fit_error(LLAMA_70B, 2, 2, free=int(79 * GiB), total=h100, headroom=0.3, fp8=False)
+    assert "65.7 GiB per GPU at model.tp_size=2" in error and "use model.tp_size=4" in error
+    assert "model.quantization=fp8" in error  # 32.9 GiB in FP8 would fit at TP 2
+
+
+def test_tp_size_without_a_launch_says_how_to_launch(tiny_target):
+    from omegaconf import OmegaConf
+
+    from mtp_train.config import RunConfig
+    from mtp_train.run import resolve_run
+
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.model.name, cfg.model.target, cfg.model.tp_size = "tiny", str(tiny_target), 2
+    with pytest.raises(ValueError, match="needs a multiple of 2 processes.*--num_processes 2"):
+        resolve_run(cfg.model, sharded_as="mtp_train.validate")
