@@ -139,7 +139,10 @@ def main() -> None:
         try:
             model.compile_layers()
             seconds = measure(model, seqs, batches, args.warmup, rank == 0, args.batch_tokens)
-            figures["tensor_parallel_compiled"] = rates(total, seconds, world, cfg)
+            figures["tensor_parallel_compiled"] = {
+                **rates(total, seconds, world, cfg),
+                "forwards_that_fell_back_to_eager": sorted(model.compile_failed),
+            }
         except Exception as e:  # noqa: BLE001 (reported, the eager figures kept)
             figures["tensor_parallel_compiled_error"] = f"{type(e).__name__}: {e}"[:1500]
     if rank == 0:
