@@ -13,6 +13,8 @@ export PYTHONPATH=/root/site:$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 R=${R:-/root/fp8}
 common=(model=smollm2_135m model.target=/root/smol run_dir=$R)
 on() { CUDA_VISIBLE_DEVICES=$1 python3 -m "${@:2}"; }
+gpus=$(nvidia-smi -L | wc -l)  # the paired jobs below share one GPU where there is one
+next() { gpu=$(( (gpu + 1) % gpus )); }
 
 on 0 mtp_train.regenerate "${common[@]}" "regenerate.prompts=[/root/dc/chat_prompts.jsonl]" \
   regenerate.limit=12000 regenerate.max_new_tokens=256 regenerate.batch_size=512
@@ -20,13 +22,13 @@ gpu=0
 for q in none fp8; do
   on $gpu mtp_train.precompute "${common[@]}" model.quantization=$q "data.train_files=[$R/regenerated.jsonl]" \
     precompute.store_dir=$R/store_$q precompute.tokens_per_batch=65536 &
-  gpu=$((1 - gpu))
+  next
 done
 wait
 for q in none fp8; do
   on $gpu mtp_train.train "${common[@]}" precompute.store_dir=$R/store_$q train.out_dir=$R/head_$q \
     train.steps=600 train.tokens_per_micro_batch=32768 train.warmup_steps=30 train.lr=1.5e-3 &
-  gpu=$((1 - gpu))
+  next
 done
 wait
 for head in none fp8; do
@@ -36,6 +38,6 @@ for head in none fp8; do
       validate.batch_size=80 validate.max_new_tokens=256 "validate.chain_lengths=[4]" \
       "validate.temperatures=[0.0]"
   done) &
-  gpu=$((1 - gpu))
+  next
 done
 wait
