@@ -81,8 +81,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compare-dp", action="store_true")
     parser.add_argument("--compile", action="store_true", help="also with compiled layers")
+    parser.add_argument(
+        "--rank-share",
+        type=int,
+        default=0,
+        help="one GPU runs what one rank of a TP group of this size computes (its heads, MLP columns "
+        "and vocabulary rows), without the collectives: the compute side where no group is lent",
+    )
     parser.add_argument("--name", default=None)
     args = parser.parse_args()
+    if args.rank_share:
+        return rank_share(args)
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -148,6 +157,57 @@ def main() -> None:
     if rank == 0:
         write_result(args.name or f"tensor_parallel_{args.shape}_tp{world}", figures)
     dist.destroy_process_group()
+
+
+def rank_share(args) -> None:
+    """One rank's share of a TP group of `args.rank_share` on one GPU: the shape with 1/N of the
+    heads, KV heads, MLP columns and vocabulary, forwarded whole; its tokens/s is what the group
+    would reach if its all-reduces cost nothing."""
+    n = args.rank_share
+    full = shape(args.shape)
+    cfg = shape(
+        args.shape,
+        num_attention_heads=full.num_attention_heads // n,
+        num_key_value_heads=full.num_key_value_heads // n,
+        intermediate_size=full.intermediate_size // n,
+        vocab_size=full.vocab_size // n,
+    )
+    lengths = lognormal_lengths(args.tokens)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, cfg.vocab_size, (k,), generator=g) for k in lengths]
+    batches = packed_batches(lengths, args.batch_tokens)
+    total = sum(lengths)
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: a 70B share in fp32 first would not fit
+    model = KINDS[cfg.model_type].random(cfg, "cuda", torch.bfloat16, 0)
+    torch.set_default_dtype(torch.float32)
+    host = torch.empty(args.batch_tokens + 4096, cfg.hidden_size, dtype=torch.bfloat16).pin_memory()
+    figures = {"shape": args.shape, "rank_share_of_tp": n, "tokens": total, "batch_tokens": args.batch_tokens}
+    for compiled in (False, True) if args.compile else (False,):
+        if compiled:
+            model.compile_layers()
+        run = [lambda b=b: model.forward_packed(*packed(b, seqs)) for b in batches]
+        for step in run[: args.warmup]:
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        for step in run:
+            hidden, _ = step()
+            host[: hidden.shape[0]].copy_(hidden, non_blocking=True)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        # the group's throughput if collectives were free: each of its n GPUs forwards every token
+        figures["compiled" if compiled else "eager"] = {
+            **rates(total, seconds, n, full),
+            "peak_gib_this_gpu": torch.cuda.max_memory_allocated() / GiB,
+        }
+    figures["weights_gib_per_gpu"] = weight_bytes_per_rank(cfg, 1, 2) / GiB
+    write_result(args.name or f"tensor_parallel_{args.shape}_rank_share_of_tp{n}", figures)
+
+
+def packed(batch: list[int], seqs) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.cat([seqs[i] for i in batch]).to("cuda", non_blocking=True)
+    return ids, cu_seqlens_of([len(seqs[i]) for i in batch], device="cuda")
 
 
 if __name__ == "__main__":
