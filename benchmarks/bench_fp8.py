@@ -11,11 +11,11 @@ import sys
 
 import torch
 
-from benchmarks.bench_precompute import PEAK_BF16, packed_batches, run_ours
+from benchmarks.bench_precompute import PEAK_BF16, kernel_breakdown, packed_batches, run_ours
 from benchmarks.common import DEVICE, DTYPE, linear_flops_per_token, lognormal_lengths, shape, write_result
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.models import KINDS
-from inference_ref.quantization import quantize
+from inference_ref.quantization import Fp8Linear, quantize
 
 
 def measure(model, seqs, batches, hidden: int) -> dict:
@@ -63,8 +63,20 @@ def main() -> None:
     bf16 = measure(model, seqs, batches, cfg.hidden_size)
     torch.cuda.empty_cache()
     quantize(model)
+    for module in model.modules():  # first with every partial sum promoted to fp32
+        if isinstance(module, Fp8Linear):
+            module.fast_accum = False
     model.compile_proven, model.compile_failed = frozenset(), frozenset()
     fp8 = measure(model, seqs, batches, cfg.hidden_size)
+    fp8_agreement = agreement(model, ref, probe)
+    profile = kernel_breakdown(model, seqs, batches[0], cfg.hidden_size)
+    for module in model.modules():  # the same weights with Hopper's fast accumulation
+        if isinstance(module, Fp8Linear):
+            module.fast_accum = True
+    model.compile_proven, model.compile_failed = frozenset(), frozenset()
+    fast = {**measure(model, seqs, batches, cfg.hidden_size), **agreement(model, ref, probe)}
+    fast["vs_bf16"] = fast["tokens_per_s"] / bf16["tokens_per_s"]
+    fast["profile"] = kernel_breakdown(model, seqs, batches[0], cfg.hidden_size)
     flops = linear_flops_per_token(cfg)
     write_result(
         f"fp8_{args.shape}",
@@ -76,7 +88,9 @@ def main() -> None:
             "fp8_vs_bf16": fp8["tokens_per_s"] / bf16["tokens_per_s"],
             "bf16_linear_roofline_tokens_per_s": PEAK_BF16 / flops,
             "fp8_past_bf16_roofline": fp8["tokens_per_s"] / (PEAK_BF16 / flops),
-            **agreement(model, ref, probe),
+            **fp8_agreement,
+            "fp8_profile": profile,
+            "fp8_fast_accum": fast,
         },
     )
 
