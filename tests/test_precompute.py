@@ -233,9 +233,11 @@ def test_command_line_with_two_processes(reference, tiny_target, chat_file, tmp_
     assert_same_store(store, reference)
 
 
-def test_command_line_with_a_tensor_parallel_group(reference, tiny_target, chat_file, tmp_path):
-    """`model.tp_size=2` over two processes: one data-parallel rank whose target is sharded two
-    ways; both forward, the group's leader writes; the store is the single-process one."""
+@pytest.mark.parametrize("processes", [2, 4])
+def test_command_line_with_tensor_parallel_groups(processes, reference, tiny_target, chat_file, tmp_path):
+    """`model.tp_size=2` over 2 processes (one data-parallel rank whose target is sharded two ways)
+    and over 4 (two such groups splitting the data): every rank forwards, each group's leader
+    writes its shards; the store is the single-process one."""
     overrides = [
         "model=tiny_random",
         f"model.target={tiny_target}",
@@ -246,18 +248,27 @@ def test_command_line_with_a_tensor_parallel_group(reference, tiny_target, chat_
         "precompute.shard_tokens=200",
         "precompute.tokens_per_batch=256",
     ]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+    ]
     out = subprocess.run(
         [*torchrun, "-m", "mtp_train.precompute", *overrides],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     store = Store(tmp_path / "store")
-    assert store.manifest["world_size"] == 1 and {s["rank"] for s in store.manifest["shards"]} == {0}
+    groups = processes // 2
+    assert store.manifest["world_size"] == groups
+    assert {s["rank"] for s in store.manifest["shards"]} == set(range(groups))
     assert_same_store(store, reference)
 
 
