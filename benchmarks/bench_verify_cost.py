@@ -1,0 +1,136 @@
+"""What a speculative step costs the target and the draft, per target shape: the verify forward of
+n new tokens per row (n = 1 is plain decoding) at several batch sizes over a filled KV cache, and
+one draft step, each as a replayed CUDA graph (what serving engines run). Validation combines these
+with a head's measured acceptance into projected speed-ups (`mtp_train.projection`).
+
+    python -m benchmarks.bench_verify_cost --shape llama3_8b
+    python -m benchmarks.bench_verify_cost --shape llama3_70b --layers 8 16
+
+A shape too large for one GPU is measured with fewer layers, twice (`--layers A B`), and the full
+depth extrapolated linearly: cost(L) = cost(A) + (L − A) · (cost(B) − cost(A)) / (B − A); the
+embedding and lm_head are in both, so only the layers scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from benchmarks.common import DEVICE, DTYPE, shape, write_result
+from inference_ref.models import KINDS
+
+BATCHES = (1, 8, 32, 64)
+NEW_TOKENS = (1, 2, 3, 4, 5, 6, 8, 16, 32, 64)
+CONTEXT = 1024  # committed tokens per row before the verify: a mid-conversation cache
+
+
+def graphed(fn, repeats: int = 20) -> float:
+    """Milliseconds per replay of `fn` captured as a CUDA graph (after two eager warm-ups)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+@torch.inference_mode()
+def verify_costs(model, batches, new_tokens) -> dict[str, dict[str, float]]:
+    """ms of one verify forward (all positions' logits) per (batch, new tokens)."""
+    out = {}
+    for b in batches:
+        cache = model.new_cache(b, CONTEXT + max(new_tokens) + 1)
+        cache.lengths.fill_(CONTEXT)
+        out[str(b)] = {}
+        for n in new_tokens:
+            ids = torch.randint(0, model.cfg.vocab_size, (b, n), device=DEVICE)
+
+            def verify(ids=ids, cache=cache):
+                model.logits(model.forward_cached(ids, cache, static=True))
+
+            out[str(b)][str(n)] = graphed(verify)
+        del cache
+        torch.cuda.empty_cache()
+    return out
+
+
+@torch.inference_mode()
+def draft_costs(cfg, batches) -> dict[str, float]:
+    """ms of one draft step per batch: a one-layer model of the target's layer shape (its layer,
+    the shared embedding, final norm and lm_head) plus the head's fc (2H → H), one token per row."""
+    layer = KINDS[cfg.model_type].random(
+        type(cfg)(**{**cfg.__dict__, "num_hidden_layers": 1}), DEVICE, DTYPE, 0
+    )
+    fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False, device=DEVICE, dtype=DTYPE)
+    out = {}
+    for b in batches:
+        cache = layer.new_cache(b, CONTEXT + 8)
+        cache.lengths.fill_(CONTEXT)
+        ids = torch.randint(0, cfg.vocab_size, (b, 1), device=DEVICE)
+        state = torch.randn(b, 1, 2 * cfg.hidden_size, device=DEVICE, dtype=DTYPE)
+
+        def step(ids=ids, cache=cache, state=state):
+            fc(state)
+            layer.logits(layer.forward_cached(ids, cache, static=True))
+
+        out[str(b)] = graphed(step)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="llama3_8b")
+    p.add_argument("--layers", type=int, nargs=2, default=None, help="measure at two depths, extrapolate")
+    p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    args = p.parse_args()
+    cfg = shape(args.shape)
+    depths = args.layers or [cfg.num_hidden_layers]
+    measured = {}
+    for depth in depths:
+        part = type(cfg)(**{**cfg.__dict__, "num_hidden_layers": depth})
+        model = KINDS[cfg.model_type].random(part, DEVICE, DTYPE, 0)
+        measured[depth] = verify_costs(model, args.batches, NEW_TOKENS)
+        del model
+        torch.cuda.empty_cache()
+    if len(depths) == 2:
+        a, b = depths
+        full = cfg.num_hidden_layers
+        verify = {
+            bs: {
+                n: measured[a][bs][n] + (full - a) * (measured[b][bs][n] - measured[a][bs][n]) / (b - a)
+                for n in row
+            }
+            for bs, row in measured[a].items()
+        }
+    else:
+        verify = measured[depths[0]]
+    write_result(
+        f"verify_cost_{args.shape}",
+        {
+            "command": "python -m benchmarks.bench_verify_cost " + " ".join(sys.argv[1:]),
+            "shape": args.shape,
+            "context_tokens": CONTEXT,
+            "measured_layers": depths,
+            "extrapolated": len(depths) == 2,
+            "verify_ms": verify,
+            "verify_ms_measured": {str(d): m for d, m in measured.items()} if len(depths) == 2 else None,
+            "draft_step_ms": draft_costs(cfg, args.batches),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
