@@ -5,12 +5,14 @@ boundaries; causal inside each sequence, nothing across. On CUDA this is one var
 FlashAttention call; elsewhere a loop of SDPA calls, one per sequence (exact, and fast enough on CPU).
 
 Cached: queries [B, S, heads, d] for S new tokens per row, against a KV cache whose row b holds
-`lengths[b]` committed entries followed by the S new ones.
+`lengths[b]` committed entries followed by the S new ones; or, for the nodes of a token tree, at
+slots and positions with a mask of their own (`Placement`).
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -135,11 +137,15 @@ def cache_slots(
     slots = lengths[:, None] + torch.arange(new, device=lengths.device)
     if static:
         return slots, cache_mask(lengths, new, max_len)
-    # Rounded up to a whole key block: attention backends plan (and cache plans) per exact shape,
-    # and a key length that grew by one every step would be a new plan every step. (On the H200
-    # this was not what made the eager loop slow: host dispatch was.) The extra keys are masked out.
-    key_len = min(-(-(int(slots.max()) + 1) // KEY_BLOCK) * KEY_BLOCK, max_len)
-    return slots, cache_mask(lengths, new, key_len)
+    return slots, cache_mask(lengths, new, key_length(int(slots.max()) + 1, max_len))
+
+
+def key_length(needed: int, max_len: int) -> int:
+    """Keys an eager cached attention reads: `needed` rounded up to a whole `KEY_BLOCK`. Attention
+    backends plan (and cache plans) per exact shape, and a key length that grew by one every step
+    would be a new plan every step. (On the H200 this was not what made the eager loop slow: host
+    dispatch was.) The extra keys are masked out."""
+    return min(-(-needed // KEY_BLOCK) * KEY_BLOCK, max_len)
 
 
 def cache_mask(lengths: torch.Tensor, new: int, key_len: int) -> torch.Tensor:
@@ -149,15 +155,63 @@ def cache_mask(lengths: torch.Tensor, new: int, key_len: int) -> torch.Tensor:
     return (keys[None, None, :] <= limit[:, :, None]).unsqueeze(1)
 
 
+@dataclass
+class Placement:
+    """Where a cached forward puts its S new tokens per row, when they are not one consecutive
+    run (`cache_slots`) but the nodes of a token tree: the cache slots they are written to [B, S],
+    their rope positions [B, S] and the keys each attends to (mask [B, 1, S, K])."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+
+def tree_placement(
+    lengths: torch.Tensor, max_len: int, offset: int, sees: torch.Tensor, positions: torch.Tensor
+) -> Placement:
+    """S tree nodes per row written at slots `lengths + offset + s`. Each sees every committed
+    entry (< lengths[b]) and, of the W scratch slots `lengths + 0 … W − 1` after them, those
+    `sees` [B, S, W] marks (its ancestors and itself: the path that a sequential decode would
+    have in its cache). `positions` [B, S]: rope positions (the committed length plus the depth)."""
+    batch, new, width = sees.shape
+    slots = lengths[:, None] + offset + torch.arange(new, device=lengths.device)
+    keys = torch.arange(key_length(int(lengths.max()) + width, max_len), device=lengths.device)
+    scratch = keys[None, :] - lengths[:, None]  # [B, K]: a key's place among the scratch slots
+    seen = sees.gather(2, scratch.clamp(0, width - 1)[:, None, :].expand(batch, new, -1))
+    mask = (scratch < 0)[:, None, :] | (seen & (scratch >= 0)[:, None, :] & (scratch < width)[:, None, :])
+    return Placement(slots, positions, mask.unsqueeze(1))
+
+
 def cached_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """q [B, S, Hq, d]; caches [B, K, Hkv, d] (already holding the new entries); mask [B,1,S,K]."""
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k_cache.transpose(1, 2),
-        v_cache.transpose(1, 2),
-        attn_mask=mask,
-        enable_gqa=True,
+    """q [B, S, Hq, d]; caches [B, K, Hkv, d] (already holding the new entries); mask [B,1,S,K].
+
+    For S > 1 (a verify, a prefill) the query heads that share a K/V head are folded into the
+    query length ([B, Hkv, group·S, d]), as decode kernels do: with a mask and S > 1, SDPA's
+    `enable_gqa` falls back to the math path and copies every cached K/V once per query head,
+    which made a verify of two tokens cost 2–3× a decode step at batch 32–64 on the H200. A
+    one-token step keeps `enable_gqa`, which was the faster of the two there
+    (`benchmarks/bench_verify_cost`, docs/benchmarks.md)."""
+    if q.shape[1] == 1:
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k_cache.transpose(1, 2),
+            v_cache.transpose(1, 2),
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        return o.transpose(1, 2)
+    batch, new, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    folded = (
+        q.view(batch, new, kv_heads, group, dim)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(batch, kv_heads, group * new, dim)
     )
-    return o.transpose(1, 2)
+    mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, 1, group * new, mask.shape[-1])
+    o = F.scaled_dot_product_attention(
+        folded, k_cache.transpose(1, 2), v_cache.transpose(1, 2), attn_mask=mask
+    )
+    return o.view(batch, kv_heads, group, new, dim).permute(0, 3, 1, 2, 4).reshape(batch, new, heads, dim)

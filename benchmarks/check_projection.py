@@ -1,0 +1,93 @@
+"""The projection model (`mtp_train.projection`) against a measured wall-clock on the same GPU: a
+target of the given shape (random weights) and a random restored head, greedy, prompts of 1,024
+tokens (the cost benchmark's context), `speculative_generate` with graphed steps against graphed
+target-only `generate`; the measured speed-up set against the one projected from that run's own
+acceptance and `verify_cost_<shape>.json`. The prompts' prefill, the same in both loops and
+not in the model, is timed alone and taken out of both.
+
+    python -m benchmarks.check_projection --shape smollm2_135m --batch 80 --k 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+import torch
+
+from benchmarks.common import DEVICE, DTYPE, RESULTS, shape, timed, write_result
+from inference_ref.draft import load_draft
+from inference_ref.generate import generate, prefill
+from inference_ref.head_spec import HeadSpec
+from inference_ref.models import KINDS
+from inference_ref.speculative import speculative_generate
+from mtp_train.export import save_head
+from mtp_train.heads import MTPHead
+from mtp_train.projection import speedup
+
+
+def random_draft(target, cfg, directory: str):
+    frozen = {
+        "model.embed_tokens.weight": target.embed_tokens.weight.float().cpu(),
+        "model.norm.weight": target.norm.weight.float().cpu(),
+        "lm_head.weight": target.lm_head.weight.float().cpu(),
+    }
+    torch.manual_seed(0)
+    head = MTPHead(HeadSpec("rmsnorm-restored", cfg), frozen)
+    save_head(head, directory, {"config_hash": cfg.fingerprint()}, {})
+    return load_draft(directory, target)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="smollm2_135m")
+    p.add_argument("--batch", type=int, default=80)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--new", type=int, default=128)
+    args = p.parse_args()
+    cfg = shape(args.shape)
+    target = KINDS[cfg.model_type].random(cfg, DEVICE, DTYPE, 0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (1024,), generator=g).tolist() for _ in range(args.batch)]
+    with tempfile.TemporaryDirectory() as d:
+        draft = random_draft(target, cfg, d)
+        no_eos: list[int] = []  # every row runs its full length, as the cost benchmark's do
+        generate(target, prompts, 8, no_eos)  # warm-ups: allocator, graphs
+        speculative_generate(target, draft, prompts, 8, no_eos, args.k, graph=True)
+        base = timed(lambda: generate(target, prompts, args.new, no_eos))
+        # both loops start with the same prefill of every prompt, which the model leaves out
+        prefill_s = timed(lambda: prefill(target, prompts, 1024 + args.new + 2 * args.k + 1))
+        box = []
+        spec = timed(
+            lambda: box.append(
+                speculative_generate(target, draft, prompts, args.new, no_eos, args.k, graph=True)
+            )
+        )
+    stats = box[0].stats
+    measured = (base - prefill_s) / (spec - prefill_s)
+    costs = json.loads((RESULTS / f"verify_cost_{args.shape}.json").read_text())
+    projected = speedup(stats.accept_rate, args.k, costs, str(args.batch))
+    # (a random head's τ is 1: what is checked is the cost accounting, whatever the acceptance)
+    write_result(
+        f"projection_check_{args.shape}_b{args.batch}_k{args.k}",
+        {
+            "shape": args.shape,
+            "batch": args.batch,
+            "k": args.k,
+            "new_tokens": args.new,
+            "accept_rate": stats.accept_rate,
+            "tau": stats.mean_accepted_len,
+            "target_only_s": base,
+            "speculative_s": spec,
+            "prefill_s": prefill_s,
+            "measured_speedup_with_prefill": base / spec,
+            "measured_speedup": measured,
+            "projected_speedup": projected,
+            "relative_error": projected / measured - 1,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

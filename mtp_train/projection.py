@@ -1,0 +1,101 @@
+"""Projected speed-ups of speculative decoding per target shape and batch size, from a head's
+measured acceptance (a validation report) and the target's measured step costs
+(`benchmarks/bench_verify_cost`: a verify of n new tokens per row, a draft step, as CUDA graphs):
+
+    python -m mtp_train.projection REPORT.json benchmarks/results/verify_cost_llama3_8b.json …
+
+A chain of k drafts emits τ(k) tokens per step for one verify of k + 1 tokens and k draft steps;
+target-only decoding emits one token per one-token step, so
+
+    speed-up(k, batch) = τ(k) · T_batch(1) / (T_batch(k + 1) + k · D_batch)
+
+with τ(k) = 1 + Σ_{j ≤ k} Π_{i ≤ j} a_i from the greedy per-position acceptance a_i (conditional
+on the drafts before it, so one measured chain gives τ for every shorter one). The model counts
+the forwards only: the loop's own work (sampling, acceptance, cache commits) is left out, which is
+why it is checked against a measured wall-clock where one exists (`check`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def tau(rates: list[float], k: int) -> float:
+    """Tokens per verify of a greedy chain of k drafts, from per-position acceptance rates."""
+    total, reach = 1.0, 1.0
+    for rate in rates[:k]:
+        reach *= 0.0 if math.isnan(rate) else rate  # never tried: nothing before it was accepted
+        total += reach
+    return total
+
+
+def speedup(rates: list[float], k: int, costs: dict, batch: str) -> float:
+    verify = costs["verify_ms"][batch]
+    step = verify[str(k + 1)] + k * costs["draft_step_ms"][batch]
+    return tau(rates, k) * verify["1"] / step
+
+
+def greedy_rates(report: dict) -> list[float]:
+    """The per-position acceptance of the report's longest greedy chain."""
+    runs = report["speculative"]["greedy"]
+    longest = max(runs, key=lambda name: len(runs[name]["accept_rate"]))
+    return runs[longest]["accept_rate"]
+
+
+def project(report: dict, costs: dict) -> dict:
+    """Projected speed-up per (batch, k) on `costs`' shape, and the best k per batch."""
+    rates = greedy_rates(report)
+    measured = next(iter(costs["verify_ms"].values()))  # the new-token counts, alike for every batch
+    chains = [k for k in range(1, len(rates) + 1) if str(k + 1) in measured]
+    table = {b: {k: speedup(rates, k, costs, b) for k in chains} for b in costs["verify_ms"]}
+    best = {b: max(row, key=row.get) for b, row in table.items()}
+    return {
+        "shape": costs["shape"],
+        "speedup": {b: {f"k={k}": round(v, 3) for k, v in row.items()} for b, row in table.items()},
+        "best_k": {b: f"k={k} ({table[b][k]:.2f}×)" for b, k in best.items()},
+    }
+
+
+def check(report: dict, costs: dict) -> dict | None:
+    """The model against the report's own wall-clock, where the report was measured on this
+    shape with CUDA graphs: projected vs measured speed-up at its batch size for each chain."""
+    batch = str(report.get("batch_size"))
+    if batch not in costs["verify_ms"]:
+        return None
+    out = {}
+    for name, run in report["speculative"]["greedy"].items():
+        k = len(run["accept_rate"])
+        if not run.get("cuda_graph") or str(k + 1) not in costs["verify_ms"][batch]:
+            continue
+        projected = speedup(run["accept_rate"], k, costs, batch)
+        measured = run["speedup_vs_target_only"]
+        out[name] = {"projected": projected, "measured": measured, "error": projected / measured - 1}
+    return out or None
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("report", help="a validation report (validate.report)")
+    p.add_argument("costs", nargs="+", help="verify_cost_<shape>.json files (benchmarks/bench_verify_cost)")
+    p.add_argument("--measured-on", help="the shape the report's own wall-clock was measured on: checked")
+    args = p.parse_args(argv)
+    report = json.loads(Path(args.report).read_text())
+    for path in args.costs:
+        costs = json.loads(Path(path).read_text())
+        figures = project(report, costs)
+        if costs["shape"] == args.measured_on:
+            figures["check_against_measured"] = check(report, costs)
+        report.setdefault("projected", {})[costs["shape"]] = figures
+        print(f"{costs['shape']}: best chain per batch size: {figures['best_k']}")
+        if figures.get("check_against_measured"):
+            print(f"  against the measured loop: {figures['check_against_measured']}")
+    Path(args.report).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

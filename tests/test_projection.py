@@ -1,0 +1,45 @@
+"""The projected speed-up model (`mtp_train.projection`) on made-up costs, where every figure can be
+worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mtp_train.projection import check, project, speedup, tau
+
+COSTS = {  # a verify costs 10 ms for one token, +1 ms per extra token; a draft step 0.5 ms
+    "shape": "made_up",
+    "verify_ms": {"4": {str(n): 10.0 + (n - 1) for n in range(1, 7)}},
+    "draft_step_ms": {"4": 0.5},
+}
+
+
+def test_tau_multiplies_the_conditional_rates():
+    rates = [0.5, 0.5, 0.5]
+    assert tau(rates, 1) == 1.5 and tau(rates, 3) == 1 + 0.5 + 0.25 + 0.125
+    assert tau([0.0, float("nan")], 2) == 1.0  # a position never tried adds nothing
+
+
+def test_speedup_is_tokens_per_step_against_the_step_cost():
+    # k = 2: τ = 1.75; step = verify of 3 tokens (12 ms) + 2 draft steps (1 ms); decoding: 10 ms a token
+    assert speedup([0.5, 0.5], 2, COSTS, "4") == pytest.approx(1.75 * 10 / 13)
+
+
+def test_project_names_the_best_chain_per_batch():
+    report = {"speculative": {"greedy": {"k=4": {"accept_rate": [0.9, 0.8, 0.2, 0.1]}}}}
+    figures = project(report, COSTS)
+    row = figures["speedup"]["4"]
+    assert set(row) == {"k=1", "k=2", "k=3", "k=4"}
+    best = max(row, key=row.get)
+    assert figures["best_k"]["4"].startswith(best)
+    assert best == "k=2"  # the third draft is accepted 20% of the time: not worth its cost here
+
+
+def test_check_compares_with_the_report_own_wall_clock():
+    run = {"accept_rate": [0.5, 0.5], "cuda_graph": True, "speedup_vs_target_only": 1.0}
+    report = {"batch_size": 4, "speculative": {"greedy": {"k=2": run}}}
+    out = check(report, COSTS)["k=2"]
+    assert math.isclose(out["projected"], 1.75 * 10 / 13) and math.isclose(out["error"], 1.75 * 10 / 13 - 1)
+    assert check({**report, "batch_size": 64}, COSTS) is None  # no costs at that batch size
