@@ -168,15 +168,17 @@ def load_parallel(path: Path, cfg, mesh: DeviceMesh, device, dtype) -> CausalLM:
 
 def random_parallel(cfg, mesh: DeviceMesh, device, dtype, seed: int = 0) -> CausalLM:
     """Random weights at a given shape made straight into the shards (benchmarks of targets that fit
-    no single GPU): norms near 1, everything else N(0, 0.02), each rank drawing its own part."""
+    no single GPU): norms near 1, everything else N(0, 0.02). Each rank draws its own shards, and
+    the replicated tensors from a generator seeded alike on every rank, so that they agree."""
     model = sharded_skeleton(cfg, mesh, torch.device(device), dtype)
-    generator = torch.Generator(device=device).manual_seed(seed + mesh.get_local_rank())
+    own = torch.Generator(device=device).manual_seed(seed + 1 + mesh.get_local_rank())
+    common = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            local = p.to_local() if isinstance(p, DTensor) else p
-            local.normal_(
-                1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.02, generator=generator
-            )
+            sharded = isinstance(p, DTensor)
+            local = p.to_local() if sharded else p
+            mean, std = (1.0, 0.1) if "norm" in name else (0.0, 0.02)
+            local.normal_(mean, std, generator=own if sharded else common)
     return model
 
 
