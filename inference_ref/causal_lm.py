@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from inference_ref.attention import cache_slots
+from inference_ref.attention import Placement, cache_slots
 
 
 def eos_token_ids(hf: dict) -> tuple[int, ...]:
@@ -106,6 +106,19 @@ class KVCache:
     def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, new] the next `new` tokens take, and their mask (`attention.cache_slots`)."""
         return cache_slots(self.lengths, self.max_len, new, static)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Row b's entries at slots src[b] copied to dst[b] ([B, n]), every layer (`move_slots`)."""
+        move_slots(self.k, src, dst)
+        move_slots(self.v, src, dst)
+
+
+def move_slots(storage: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """storage [layers, B, max_len, ...]: row b's entries at slots src[b] copied to slots dst[b].
+    A token tree's accepted path goes to consecutive slots this way, so that the cache looks as
+    if it had been decoded one token at a time. The sources are read before any is written."""
+    rows = torch.arange(storage.shape[1], device=storage.device)[:, None]
+    storage[:, rows, dst] = storage[:, rows, src]
 
 
 class CausalLM(nn.Module):
@@ -219,14 +232,23 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_cached(
-        self, input_ids: torch.Tensor, cache, static: bool = False, capture: tuple[int, ...] = ()
+        self,
+        input_ids: torch.Tensor,
+        cache,
+        static: bool = False,
+        capture: tuple[int, ...] = (),
+        placement: Placement | None = None,
     ) -> torch.Tensor:
         """input_ids [B, S] placed after each row's committed cache entries → hidden [B, S, H]
         (before the final norm; widened by `capture`, see `widened`). Does not commit: the caller
-        advances `cache.lengths` (in place, so that a captured graph sees it)."""
-        slots, mask = cache.slots(input_ids.shape[1], static)
+        advances `cache.lengths` (in place, so that a captured graph sees it). `placement`: the
+        nodes of a token tree instead, at its slots, positions and mask (`attention.tree_placement`)."""
+        if placement is None:
+            slots, mask = cache.slots(input_ids.shape[1], static)
+            placement = Placement(slots, slots, mask)
+        slots, mask = placement.slots, placement.mask
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(slots, x.dtype)
+        cos, sin = self.rotary(placement.positions, x.dtype)
         entering = {}
         for i, layer in enumerate(self.layers):
             if i in capture:

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from inference_ref.attention import Placement
 from inference_ref.causal_lm import RMSNorm
 from inference_ref.head_spec import (
     CONFIG,
@@ -102,12 +103,17 @@ class MTPDraft(nn.Module):
         """fc input from (state, next token): the target's h, or the draft's own y when chained."""
         return project(self, self.embed_tokens(tokens).to(state.dtype), state, self.target_norm, from_target)
 
-    def run_layer(self, x: torch.Tensor, cache: Cache, static: bool = False) -> torch.Tensor:
-        """The decoder layer on x [B, S, H] placed at the cache's lengths (slot = rope position).
-        `static`: attend over the whole cache, masked (fixed shapes, no host sync: CUDA graphs)."""
-        slots, mask = cache.slots(x.shape[1], static)
-        cos, sin = self.rotary(slots, x.dtype)
-        return self.layer.forward_cached(x, cos, sin, *cache.layer(0), slots, mask)
+    def run_layer(
+        self, x: torch.Tensor, cache: Cache, static: bool = False, placement: Placement | None = None
+    ) -> torch.Tensor:
+        """The decoder layer on x [B, S, H] placed at the cache's lengths (slot = rope position), or
+        where `placement` says (the nodes of a draft tree). `static`: attend over the whole cache,
+        masked (fixed shapes, no host sync: CUDA graphs)."""
+        if placement is None:
+            slots, mask = cache.slots(x.shape[1], static)
+            placement = Placement(slots, slots, mask)
+        cos, sin = self.rotary(placement.positions, x.dtype)
+        return self.layer.forward_cached(x, cos, sin, *cache.layer(0), placement.slots, placement.mask)
 
     @torch.inference_mode()
     def prefill(
@@ -128,6 +134,16 @@ class MTPDraft(nn.Module):
         ahead = cache.shifted(step - 1)
         x = self.project(y[:, None], token[:, None], from_target=False)
         return self.run_layer(x, ahead, static)[:, 0]
+
+    @torch.inference_mode()
+    def chain_nodes(
+        self, y: torch.Tensor, tokens: torch.Tensor, cache: Cache, placement: Placement
+    ) -> torch.Tensor:
+        """Chained steps for several nodes of a draft tree at once: each node's token [B, F] with
+        its parent's output y [B, F, H], placed by `placement` (scratch slots; the rope position of
+        its depth; a mask that shows it the committed entries, its ancestors and itself, which is
+        what `chain` would see on the node's own path). Returns the nodes' y [B, F, H]."""
+        return self.run_layer(self.project(y, tokens, from_target=False), cache, placement=placement)
 
     @torch.inference_mode()
     def logits(self, y: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,9 @@ position, d_2 … d_k by chaining its own output states), the target scores [las
 cached forward, the acceptable prefix of the draft is kept plus one token from the target (the
 correction at the first rejection, or the bonus after all k), and both caches commit what was kept.
 Rows accept different numbers of tokens, so each cache row advances by its own count.
+
+With a `tree.TreeShape` instead of k, each step drafts an EAGLE-2 dynamic tree and verifies all its
+nodes in one forward (`inference_ref.tree`); the rest of the loop is the same.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from inference_ref.generate import (
     sample,
 )
 from inference_ref.target import Cache, TargetModel
+from inference_ref.tree import TreeShape, TreeStep
 
 
 @dataclass
@@ -36,9 +40,9 @@ class SpecStats:
     """Acceptance counts over (row, step) pairs of active rows, and where the time went."""
 
     k: int
-    """Draft tokens proposed per step."""
+    """Draft tokens proposed per step (a tree: its depth, the most a step can accept)."""
     tried: list[int] = field(init=False)
-    """tried[j-1]: steps in which draft token j was judged (tokens < j all accepted)."""
+    """tried[j-1]: steps in which draft token j (a tree: a node at depth j) was judged (tokens < j all accepted)."""
     accepted: list[int] = field(init=False)
     """accepted[j-1]: steps in which draft token j was accepted."""
     steps: int = 0
@@ -86,20 +90,24 @@ def speculative_generate(
     prompts: list[list[int]],
     max_new_tokens: int,
     eos_ids: Sequence[int],
-    k: int,
+    k: int | TreeShape,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     graph: bool = False,
 ) -> SpecOutput:
-    """Generate with the target, k ≥ 1 draft tokens per verify step; greedy at temperature 0.
-    A `generator` must be on the target's device. `graph` (CUDA, greedy): each step is one CUDA
-    graph replay (`SpecStep`); the draft/target time split is then not measured."""
+    """Generate with the target, k ≥ 1 draft tokens per verify step (a chain), or a draft tree of
+    shape k (`inference_ref.tree`, eager); greedy at temperature 0. A `generator` must be on the
+    target's device. `graph` (CUDA, greedy, chains): each step is one CUDA graph replay
+    (`SpecStep`); the draft/target time split is then not measured."""
     device = target.embed_tokens.weight.device
-    eos, stats = set(eos_ids), SpecStats(k)
+    chain = not isinstance(k, TreeShape)
+    eos, stats = set(eos_ids), SpecStats(most_accepted(k))
     clock = Clock(device)
     # An active row has committed < prompt + max_new_tokens − 1 entries and writes k + 1 past them;
     # a row that finished may have committed k + 1 more, and later steps still write k + 1 past those.
-    max_len = max(len(p) for p in prompts) + max_new_tokens + 2 * k + 1
+    # A tree commits up to depth + 1 and writes `scratch` past its committed entries.
+    room = 2 * k + 1 if chain else k.depth + 1 + k.scratch
+    max_len = max(len(p) for p in prompts) + max_new_tokens + room
 
     with clock.time("target"):
         target_cache, hidden = prefill(target, prompts, max_len, draft.capture)
@@ -109,8 +117,11 @@ def speculative_generate(
     outputs: list[list[int]] = [[] for _ in prompts]
     active = emit(outputs, [True] * len(prompts), [[0, t] for t in last.tolist()], eos, max_new_tokens)
 
-    use_graph = graph and device.type == "cuda" and temperature == 0 and target.tp_size == 1
-    step = SpecStep(target, draft, target_cache, draft_cache, k, temperature, generator, clock, use_graph)
+    use_graph = chain and graph and device.type == "cuda" and temperature == 0 and target.tp_size == 1
+    if chain:
+        step = SpecStep(target, draft, target_cache, draft_cache, k, temperature, generator, clock, use_graph)
+    else:
+        step = TreeStep(target, draft, target_cache, draft_cache, k, temperature, generator, clock)
     step.start(last, y, torch.tensor(active, device=device))
     while any(active):
         kept, n_accepted = step()
@@ -124,6 +135,16 @@ def speculative_generate(
     stats.draft_s, stats.target_s = clock.total["draft"], clock.total["target"]
     stats.graphed = use_graph
     return SpecOutput(outputs, stats)
+
+
+def most_accepted(k: int | TreeShape) -> int:
+    """Draft tokens one verify can accept at most: the chain's k, the tree's depth."""
+    return k.depth if isinstance(k, TreeShape) else k
+
+
+def verify_tokens(k: int | TreeShape) -> int:
+    """Tokens one verify forward processes per row: the last committed token and the drafted ones."""
+    return (k.nodes if isinstance(k, TreeShape) else k) + 1
 
 
 class SpecStep:

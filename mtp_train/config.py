@@ -262,7 +262,17 @@ class ValidateConfig:
     max_new_tokens: int = 256
     """Tokens generated per turn."""
     chain_lengths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
-    """Draft chain lengths k to measure."""
+    """Draft chain lengths k to measure (a verify forward processes k + 1 tokens per sequence)."""
+    tree_budgets: list[int] = field(default_factory=list)
+    """Draft trees to measure beside the chains, by node budget N (EAGLE-2 dynamic trees,
+    `inference_ref/tree.py`; a verify forward processes N + 1 tokens per sequence, so a tree of N
+    nodes costs the verify of a chain of k = N). Off by default (a CPU run has no time for them);
+    on a GPU e.g. [4, 16, 32, 64] at depth 5 beside chains 1 … 5 (EAGLE's reference serves 60 nodes,
+    top-k 10). Run eagerly (no CUDA graph)."""
+    tree_depth: int = 5
+    """The trees' depth: the most draft tokens one verify can accept."""
+    tree_top_k: int = 8
+    """Children each expanded tree node scores, and nodes expanded per depth (EAGLE-2's top-k: 10)."""
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     """0 for greedy; otherwise sampled with rejection sampling."""
     batch_size: int = 16
@@ -292,6 +302,15 @@ class ValidateConfig:
         at_least("validate", self, 0, "teacher_forced_samples")
         ks, temps = list(self.chain_lengths), list(self.temperatures)
         require(len(ks) > 0 and all(k >= 1 for k in ks), "validate.chain_lengths", ks, "chain lengths >= 1")
+        at_least("validate", self, 1, "tree_depth", "tree_top_k")
+        pool = self.tree_top_k + (self.tree_depth - 1) * self.tree_top_k**2  # the nodes drafting scores
+        budgets = list(self.tree_budgets)
+        require(
+            all(1 <= n <= pool for n in budgets),
+            "validate.tree_budgets",
+            budgets,
+            f"node budgets in 1 … {pool} (top_k + (depth − 1)·top_k² at this depth and top_k)",
+        )
         require(
             len(temps) > 0 and all(t >= 0 for t in temps), "validate.temperatures", temps, "temperatures >= 0"
         )

@@ -2,9 +2,11 @@
 
 Two measurements, both on the evaluation prompts (MT-bench by default, every turn answered in order):
 
-- speculative decoding with inference_ref's target and draft, for each chain length k and
-  temperature: per-position acceptance, mean accepted length τ, the draft/target time split, and
-  (greedy) whether the output equals target-only greedy output;
+- speculative decoding with inference_ref's target and draft, for each chain length k, each draft
+  tree budget (EAGLE-2 dynamic trees of `validate.tree_depth`, N nodes: `validate.tree_budgets`) and
+  temperature: per-position (per-depth) acceptance, mean accepted length τ, the tokens each verify
+  forward processes (k + 1 or N + 1: chains and trees side by side at equal verify budgets), the
+  draft/target time split, and (greedy) whether the output equals target-only greedy output;
 - the teacher-forced loss and top-1 on the target's own answers, computed twice: by the training
   module on states from the precompute path (rounded on CUDA as the training store holds them, bf16
   or fp8 by its manifest; fp32 on CPU, see `store_rounding`), and by the inference draft on states from the target's
@@ -33,8 +35,9 @@ from transformers import AutoTokenizer
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.draft import MTPDraft, check_head_fits_target, load_draft
 from inference_ref.generate import generate, prefill
-from inference_ref.speculative import SpecStats, speculative_generate
+from inference_ref.speculative import SpecStats, most_accepted, speculative_generate, verify_tokens
 from inference_ref.target import TargetModel, load_target
+from inference_ref.tree import TreeShape
 from mtp_train.batching import align_sample, collate
 from mtp_train.cli import one_line_errors
 from mtp_train.config import ConfigError, RunConfig, checked
@@ -125,10 +128,11 @@ def timed_pass(
 
 
 def speculative_pass(
-    ev: Evaluator, prompts, k: int, temperature: float, vc, seed: int, label: str | None = None
+    ev: Evaluator, prompts, k: int | TreeShape, temperature: float, vc, seed: int, label: str | None = None
 ):
-    """Speculative decoding over every turn: its counts and times, the dialogs and answer tokens."""
-    stats = SpecStats(k)
+    """Speculative decoding over every turn with a chain of k or a tree of shape k: its counts and
+    times, the dialogs and answer tokens."""
+    stats = SpecStats(most_accepted(k))
     generator = torch.Generator(device=ev.target.embed_tokens.weight.device).manual_seed(seed)
 
     def generate_ids(ids):
@@ -142,9 +146,16 @@ def speculative_pass(
     return stats, timing, dialogs, tokens
 
 
-def speculative_report(stats: SpecStats, timing: dict) -> dict:
-    """Rates and the counts behind them, timing."""
+def speculative_report(stats: SpecStats, timing: dict, k: int | TreeShape) -> dict:
+    """Rates and the counts behind them, the draft's shape and the verify forward's size, timing."""
+    shape = (
+        {"draft": "chain", "k": k}
+        if isinstance(k, int)
+        else {"draft": "tree", "depth": k.depth, "top_k": k.top_k, "nodes": k.nodes}
+    )
     return {
+        **shape,
+        "verify_tokens": verify_tokens(k),
         "accept_rate": stats.accept_rate,
         "mean_accepted_len": stats.mean_accepted_len,
         "counts": {
@@ -161,6 +172,12 @@ def speculative_report(stats: SpecStats, timing: dict) -> dict:
 
 def target_only_pass(ev: Evaluator, prompts, vc, label: str | None = None):
     return timed_pass(ev, prompts, vc, lambda ids: generate(ev.target, ids, vc.max_new_tokens, ev.eos), label)
+
+
+def drafts(vc) -> list[tuple[str, int | TreeShape]]:
+    """The drafts measured, under their report keys: each chain (`k=3`), then each tree (`tree n=16`)."""
+    trees = [TreeShape(vc.tree_depth, vc.tree_top_k, n) for n in vc.tree_budgets]
+    return [(f"k={k}", k) for k in vc.chain_lengths] + [(f"tree n={t.nodes}", t) for t in trees]
 
 
 # --- teacher-forced loss, twice -----------------------------------------------------------------
@@ -295,23 +312,25 @@ def run_validation(cfg: RunConfig) -> dict:
         "max_new_tokens": vc.max_new_tokens,
         "batch_size": vc.batch_size,
         "target_only": baseline,
+        "verify_tokens": "tokens one verify forward of the target processes per sequence: the last "
+        "committed token and the drafted ones (a chain of k: k + 1; a tree of N nodes: N + 1)",
         "speculative": {},
         "fingerprint": fingerprint,
     }
     for temperature in vc.temperatures:
         name = "greedy" if temperature == 0 else f"T={temperature:g}"
         runs = report["speculative"][name] = {}
-        for k in vc.chain_lengths:
-            label = f"validate: {name}, k={k}"
+        for key, k in drafts(vc):
+            label = f"validate: {name}, {key}"
             stats, timing, _, tokens = speculative_pass(ev, prompts, k, temperature, vc, vc.seed, label)
-            figures = speculative_report(stats, timing)
+            figures = speculative_report(stats, timing, k)
             if temperature == 0:
                 figures["identical_to_target_greedy"] = tokens == base_tokens
                 # in bf16 near-ties can part the texts (see validate.dtype): the share that did not
                 same = sum(a == b for a, b in zip(tokens, base_tokens))
                 figures["identical_answers"] = same / max(1, len(base_tokens))
             figures["speedup_vs_target_only"] = figures["tokens_per_s"] / baseline["tokens_per_s"]
-            runs[f"k={k}"] = figures
+            runs[key] = figures
     head = load_head(vc.head, run.target).to(device=run.device, dtype=run.dtype)
     held = holdout_samples(cfg, ev)
     samples = held or samples_of(ev, base_dialogs, vc.teacher_forced_samples, cfg.data.max_seq_len)
@@ -465,23 +484,74 @@ def plot_acceptance(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     modes = report["speculative"]
-    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
-    for ax, (mode, runs) in zip(axes[0], modes.items()):
+    fig, axes = plt.subplots(2, len(modes), figsize=(5 * len(modes), 8), squeeze=False)
+    for ax, budgets, (mode, runs) in zip(axes[0], axes[1], modes.items()):
         for name, run in runs.items():
             rates = run["accept_rate"]
             ax.plot(
-                range(1, len(rates) + 1), rates, marker="o", label=f"{name}  τ={run['mean_accepted_len']:.2f}"
+                range(1, len(rates) + 1),
+                rates,
+                marker="o",
+                linestyle="--" if run.get("draft") == "tree" else "-",
+                label=f"{name}  τ={run['mean_accepted_len']:.2f}",
             )
         ax.set(
             title=f"acceptance by position ({mode})",
-            xlabel="draft position j",
+            xlabel="draft position j (a tree: depth j)",
             ylabel="accept rate",
             ylim=(0, 1),
         )
         ax.legend(fontsize=8)
+        plot_budgets(budgets, mode, runs)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_budgets(ax, mode: str, runs: dict) -> None:
+    """τ against the tokens one verify forward processes: chains and trees at equal verify budgets."""
+    for draft in ("chain", "tree"):
+        points = sorted(
+            (run["verify_tokens"], run["mean_accepted_len"])
+            for run in runs.values()
+            if run.get("draft", "chain") == draft and "verify_tokens" in run
+        )
+        if points:
+            ax.plot(*zip(*points), marker="o", linestyle="--" if draft == "tree" else "-", label=draft)
+    ax.set_xscale("log", base=2)
+    ax.set(
+        title=f"τ by verify budget ({mode})",
+        xlabel="tokens per verify forward (chain: k + 1, tree: nodes + 1)",
+        ylabel="τ (tokens per verify)",
+    )
+    ax.legend(fontsize=8)
+
+
+def draft_words(name: str, run: dict) -> str:
+    """A report entry's draft in words, with the tokens its verify forward processes."""
+    if run.get("draft") == "tree":
+        return (
+            f"a tree of {run['nodes']} draft nodes (depth ≤ {run['depth']}, top-{run['top_k']} "
+            f"expansion), {run['verify_tokens']} tokens per verify"
+        )
+    verify = f", {run['verify_tokens']} tokens per verify" if "verify_tokens" in run else ""
+    return f"{name} draft tokens per step{verify}"
+
+
+def equal_budgets(mode: str, runs: dict) -> list[str]:
+    """A line of τ by tokens per verify forward, chains beside trees, where the report has trees."""
+    by_size: dict[int, dict[str, float]] = {}
+    for run in runs.values():
+        if "verify_tokens" in run:
+            by_size.setdefault(run["verify_tokens"], {})[run.get("draft", "chain")] = run["mean_accepted_len"]
+    if not any("tree" in drafts for drafts in by_size.values()):
+        return []
+    cells = [
+        f"{size}: " + ", ".join(f"{draft} {tau:.2f}" for draft, tau in sorted(drafts.items()))
+        for size, drafts in sorted(by_size.items())
+    ]
+    head = f"{mode}, τ by tokens per verify forward (chains and trees at equal verify budgets): "
+    return [head + "; ".join(cells)]
 
 
 def summary(report: dict) -> str:
@@ -497,9 +567,10 @@ def summary(report: dict) -> str:
     for mode, runs in report["speculative"].items():
         for name, run in runs.items():
             rates = ", ".join(f"{r:.2f}" for r in run["accept_rate"])
+            token_j = "a draft token at depth j" if run.get("draft") == "tree" else "draft token j"
             lines.append(
-                f"speculative decoding, {mode}, {name} draft tokens per step: {run['mean_accepted_len']:.2f} "
-                f"tokens per target step (τ); draft token j accepted (given the ones before): {rates}"
+                f"speculative decoding, {mode}, {draft_words(name, run)}: {run['mean_accepted_len']:.2f} "
+                f"tokens per target step (τ); {token_j} accepted (given the ones before): {rates}"
             )
             if run.get("identical_to_target_greedy") is not None:
                 lines.append(
@@ -510,6 +581,7 @@ def summary(report: dict) -> str:
                 f"  {run['speedup_vs_target_only']:.2f}× the target's own speed in this reference loop "
                 "(on a CPU or a 135M target the loop's overheads dominate: read τ, not this, for serving)"
             )
+        lines += equal_budgets(mode, runs)
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_ref.attention import cache_slots, packed_causal_attention
-from inference_ref.causal_lm import Fp32Frequencies, RMSNorm
+from inference_ref.causal_lm import Fp32Frequencies, RMSNorm, move_slots
 from inference_ref.models.deepseek_v2.config import (
     LATENT_NORM_EPS,
     DeepseekV2Config,
@@ -153,3 +153,7 @@ class LatentCache:
     def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, new] the next `new` tokens take, and their mask (`attention.cache_slots`)."""
         return cache_slots(self.lengths, self.max_len, new, static)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Row b's entries at slots src[b] copied to dst[b] ([B, n]), every layer (`move_slots`)."""
+        move_slots(self.kv, src, dst)
