@@ -36,6 +36,7 @@ from inference_ref.head_spec import (
     HeadSpec,
     check_aux_layers,
     check_head_fits_target,
+    draft_ids,
     output_state,
     project,
 )
@@ -49,8 +50,6 @@ class MTPDraft(nn.Module):
 
     capture: tuple[int, ...] = ()
     """The target layers whose entering states the draft reads beside the last layer's (none)."""
-    draft_ids: torch.Tensor | None = None
-    """The target ids its lm_head scores, where that is a draft vocabulary (none: all of them)."""
 
     def __init__(self, spec: HeadSpec):
         super().__init__()
@@ -64,6 +63,14 @@ class MTPDraft(nn.Module):
         )
         if not spec.restored:
             self.layer.input_layernorm = nn.Identity()
+        if spec.draft_vocab_size:
+            self.register_buffer("d2t", torch.zeros(spec.vocab, dtype=torch.long))
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """The target id of each lm_head row where the head has a draft vocabulary (engines store
+        the offsets, `d2t`); None: it scores the whole target vocabulary."""
+        return draft_ids(self.d2t) if self.spec.draft_vocab_size else None
 
     @classmethod
     def from_tensors(cls, spec: HeadSpec, tensors: dict[str, torch.Tensor], target: TargetModel) -> MTPDraft:
@@ -81,15 +88,25 @@ class MTPDraft(nn.Module):
 
     def share(self, target: TargetModel, tensors: dict[str, torch.Tensor]) -> None:
         """Use the target's embeddings, final norm and lm_head (the same modules, not copies),
-        except an embedding or lm_head the head file stores itself."""
+        except an embedding or lm_head the head file stores itself ([Vd, H] for a draft
+        vocabulary). A draft vocabulary otherwise takes the target lm_head's rows of its tokens."""
         weight = target.embed_tokens.weight
         self.embed_tokens, self.target_norm, self.lm_head = target.embed_tokens, target.norm, target.lm_head
         if "embed_tokens.weight" in tensors:
             own = tensors["embed_tokens.weight"].to(weight.device, weight.dtype)
             self.embed_tokens = nn.Embedding.from_pretrained(own)
-        if "lm_head.weight" in tensors:
-            self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-            self.lm_head.weight = nn.Parameter(tensors["lm_head.weight"].to(weight.device, weight.dtype))
+        rows = tensors.get("lm_head.weight")
+        if rows is not None:
+            rows = rows.to(weight.device, weight.dtype)
+        elif self.spec.draft_vocab_size:
+            full = target.lm_head.weight
+            full = (
+                full.full_tensor() if hasattr(full, "full_tensor") else full
+            )  # vocab-parallel: gathered once
+            rows = full[self.draft_ids]
+        if rows is not None:
+            self.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+            self.lm_head.weight = nn.Parameter(rows, requires_grad=False)
 
     def fuse(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Native tensors → this module's state dict (`fuse_head_state`)."""
@@ -147,8 +164,15 @@ class MTPDraft(nn.Module):
 
     @torch.inference_mode()
     def logits(self, y: torch.Tensor) -> torch.Tensor:
-        """fp32 logits from output states y."""
-        return self.lm_head(output_state(self, y)).float()
+        """fp32 logits over the target vocabulary from output states y: with a draft vocabulary its
+        tokens scored, the rest −inf (so that greedy and rejection sampling run unchanged, as
+        vLLM maps EAGLE-3 logits)."""
+        scores = self.lm_head(output_state(self, y)).float()
+        vocab = self.spec.target.vocab_size
+        if scores.shape[-1] == vocab:
+            return scores
+        out = scores.new_full((*scores.shape[:-1], vocab), float("-inf"))
+        return out.index_copy_(-1, self.draft_ids, scores)
 
 
 def fuse_head_state(tensors: dict[str, torch.Tensor], spec: HeadSpec) -> dict[str, torch.Tensor]:

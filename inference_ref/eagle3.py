@@ -18,9 +18,8 @@ from torch import nn
 
 from inference_ref.causal_lm import KVCache, RMSNorm
 from inference_ref.draft import MTPDraft, fuse_head_state
-from inference_ref.head_spec import HeadSpec, draft_ids, output_state
+from inference_ref.head_spec import HeadSpec
 from inference_ref.models.llama import MLP, Attention, Rotary
-from inference_ref.target import TargetModel
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -56,49 +55,12 @@ class Eagle3Draft(MTPDraft):
     def capture(self) -> tuple[int, ...]:
         return self.spec.aux_layers
 
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """The target id of each draft-vocabulary row (engines store the offsets, `d2t`)."""
-        return draft_ids(self.d2t)
-
     def fuse(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The layer's q|k|v and gate|up fused as the Llama target's; hidden_norm and d2t as they are."""
         return {
             **fuse_head_state(tensors, self.spec),
             "layer.hidden_norm.weight": tensors["layer.hidden_norm.weight"],
         }
-
-    def share(self, target: TargetModel, tensors: dict[str, torch.Tensor]) -> None:
-        """The target's embeddings and final norm; the lm_head is the target's rows of the draft
-        vocabulary (or the head file's own `lm_head.weight`, [Vd, H])."""
-        weight = target.embed_tokens.weight
-        self.embed_tokens, self.target_norm = target.embed_tokens, target.norm
-        if "embed_tokens.weight" in tensors:
-            self.embed_tokens = nn.Embedding.from_pretrained(
-                tensors["embed_tokens.weight"].to(weight.device, weight.dtype)
-            )
-        rows = tensors.get("lm_head.weight")
-        if rows is None:
-            full = target.lm_head.weight
-            full = (
-                full.full_tensor() if hasattr(full, "full_tensor") else full
-            )  # vocab-parallel: gathered once
-            rows = full[self.draft_ids]
-        else:
-            rows = rows.to(weight.device, weight.dtype)
-        self.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
-        self.lm_head.weight = nn.Parameter(rows, requires_grad=False)
-
-    @torch.inference_mode()
-    def logits(self, y: torch.Tensor) -> torch.Tensor:
-        """fp32 logits over the target vocabulary: the draft vocabulary's scored, the rest −inf (so
-        that greedy and rejection sampling run unchanged, as vLLM maps EAGLE-3 logits)."""
-        scores = self.lm_head(output_state(self, y)).float()
-        vocab = self.spec.target.vocab_size
-        if scores.shape[-1] == vocab:
-            return scores
-        out = scores.new_full((*scores.shape[:-1], vocab), float("-inf"))
-        return out.index_copy_(-1, self.draft_ids, scores)
 
 
 DRAFT = Eagle3Draft  # what this module serves, for `HEAD_KINDS[...].serving`

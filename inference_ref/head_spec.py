@@ -108,7 +108,9 @@ class HeadSpec:
     aux_layers: tuple[int, ...] = ()
     """eagle3: the target layers whose entering states `fc` fuses (`causal_lm.widened` numbering)."""
     draft_vocab_size: int = 0
-    """eagle3: rows of its lm_head, the most frequent target tokens (0: the whole target vocabulary)."""
+    """Rows of its lm_head, the most frequent target tokens (0: the whole target vocabulary). The
+    draft scores only these: its lm_head work and the training loss's vocabulary work shrink by
+    vocab / draft_vocab_size (EAGLE-3's draft vocabulary; FR-Spec's frequency-ranked one)."""
 
     def __post_init__(self):
         if self.variant not in HEAD_KINDS:
@@ -156,11 +158,8 @@ class HeadSpec:
             "hidden_size": self.target.hidden_size,
             "vocab_size": self.target.vocab_size,
             "layer_config": self.target.to_hf(),
-            **(
-                {"aux_layers": list(self.aux_layers), "draft_vocab_size": self.vocab}
-                if self.kind.reads_aux
-                else {}
-            ),
+            **({"aux_layers": list(self.aux_layers)} if self.kind.reads_aux else {}),
+            **({"draft_vocab_size": self.vocab} if self.kind.reads_aux or self.draft_vocab_size else {}),
         }
 
     @classmethod

@@ -9,6 +9,10 @@ Rows accept different numbers of tokens, so each cache row advances by its own c
 
 With a `tree.TreeShape` instead of k, each step drafts an EAGLE-2 dynamic tree and verifies all its
 nodes in one forward (`inference_ref.tree`); the rest of the loop is the same.
+
+With an `SSD` setting (chains), every verify also scores what an asynchronous drafter would have
+got (`inference_ref.ssd`): whether the outcome (accepted count, the target's token) is among the
+draft's top-F predictions, and, sampled, drafting from Saguaro's reshaped distribution.
 """
 
 from __future__ import annotations
@@ -31,8 +35,21 @@ from inference_ref.generate import (
     right_pad,
     sample,
 )
+from inference_ref.ssd import cache_hits, saguaro
 from inference_ref.target import Cache, TargetModel
 from inference_ref.tree import TreeShape, TreeStep
+
+
+@dataclass(frozen=True)
+class SSD:
+    """Speculative speculative decoding's outcome prediction, scored at every verify of a chain."""
+
+    fan_outs: tuple[int, ...] = (1, 4, 8, 16)
+    """Cache sizes F: tokens predicted per outcome position (hit = the outcome among them)."""
+    saguaro_factor: float = 1.0
+    """Saguaro sampling (temperature > 0): the draft's top `saguaro_fan_out` + 1 tokens scaled by
+    this factor in q' (drafted from and verified against); 1: plain q."""
+    saguaro_fan_out: int = 4
 
 
 @dataclass
@@ -53,9 +70,19 @@ class SpecStats:
     target_s: float = 0.0
     graphed: bool = False
     """Steps ran as CUDA graph replays: draft_s / target_s then cover the prefills only."""
+    fan_outs: tuple[int, ...] = ()
+    """SSD cache sizes scored (`SSD.fan_outs`); none when SSD was not asked for."""
+    hits: list[int] = field(init=False)
+    """hits[i]: verify steps whose outcome was in an SSD cache of fan_outs[i] tokens per position."""
 
     def __post_init__(self):
         self.tried, self.accepted = [0] * self.k, [0] * self.k
+        self.hits = [0] * len(self.fan_outs)
+
+    @property
+    def hit_rate(self) -> dict[int, float]:
+        """fan-out F → the share of verify steps an SSD cache of F tokens per position would have hit."""
+        return {f: h / self.steps if self.steps else float("nan") for f, h in zip(self.fan_outs, self.hits)}
 
     @property
     def accept_rate(self) -> list[float]:
@@ -67,13 +94,17 @@ class SpecStats:
         """τ: tokens emitted per target verify forward, 1 … k+1."""
         return self.emitted / self.steps if self.steps else float("nan")
 
-    def record(self, n_accepted: list[int], active: list[bool]) -> None:
+    def record(self, n_accepted: list[int], active: list[bool], hits: list[list[int]] | None = None) -> None:
+        """One step's counts over the active rows (`hits[b]`: row b's SSD hit per fan-out)."""
         n = [a for a, live in zip(n_accepted, active) if live]
         for j in range(self.k):
             self.tried[j] += sum(a >= j for a in n)
             self.accepted[j] += sum(a > j for a in n)
         self.steps += len(n)
         self.emitted += sum(n) + len(n)
+        for b, live in enumerate(active):
+            for i in range(len(self.hits) if live and hits else 0):
+                self.hits[i] += hits[b][i]
 
 
 @dataclass
@@ -94,14 +125,19 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     graph: bool = False,
+    ssd: SSD | None = None,
 ) -> SpecOutput:
     """Generate with the target, k ≥ 1 draft tokens per verify step (a chain), or a draft tree of
     shape k (`inference_ref.tree`, eager); greedy at temperature 0. A `generator` must be on the
     target's device. `graph` (CUDA, greedy, chains): each step is one CUDA graph replay
-    (`SpecStep`); the draft/target time split is then not measured."""
+    (`SpecStep`); the draft/target time split is then not measured. `ssd` (chains): score SSD's
+    outcome prediction, which costs one more draft step per verify."""
     device = target.embed_tokens.weight.device
     chain = not isinstance(k, TreeShape)
-    eos, stats = set(eos_ids), SpecStats(most_accepted(k))
+    if ssd and not chain:
+        raise ValueError("SSD outcome prediction is defined for chains, not trees")
+    eos = set(eos_ids)
+    stats = SpecStats(most_accepted(k), fan_outs=ssd.fan_outs if ssd else ())
     clock = Clock(device)
     # An active row has committed < prompt + max_new_tokens − 1 entries and writes k + 1 past them;
     # a row that finished may have committed k + 1 more, and later steps still write k + 1 past those.
@@ -119,16 +155,21 @@ def speculative_generate(
 
     use_graph = chain and graph and device.type == "cuda" and temperature == 0 and target.tp_size == 1
     if chain:
-        step = SpecStep(target, draft, target_cache, draft_cache, k, temperature, generator, clock, use_graph)
+        step = SpecStep(
+            target, draft, target_cache, draft_cache, k, temperature, generator, clock, use_graph, ssd
+        )
     else:
         step = TreeStep(target, draft, target_cache, draft_cache, k, temperature, generator, clock)
     step.start(last, y, torch.tensor(active, device=device))
     while any(active):
         kept, n_accepted = step()
-        # One copy to the host per step (counts and tokens together): at batch 1 a step is a few
-        # milliseconds, and every further synchronization was a visible share of it.
-        rows = torch.cat([n_accepted[:, None], kept], 1).tolist()
-        stats.record([row[0] for row in rows], active)
+        # One copy to the host per step (counts, tokens and SSD hits together): at batch 1 a step
+        # is a few milliseconds, and every further synchronization was a visible share of it.
+        hits = step.hits if stats.fan_outs else kept[:, :0]
+        rows = torch.cat([n_accepted[:, None], hits.long(), kept], 1).tolist()
+        nh = hits.shape[1]
+        stats.record([row[0] for row in rows], active, [row[1 : 1 + nh] for row in rows])
+        rows = [row[:1] + row[1 + nh :] for row in rows]
         active = emit(outputs, active, rows, eos, max_new_tokens)
         step.active.copy_(torch.tensor(active))
 
@@ -154,11 +195,15 @@ class SpecStep:
     so that with `graph` the whole step is captured once and replayed: at small batches a step is
     hundreds of kernel launches, which the replay turns into one."""
 
-    def __init__(self, target, draft, target_cache, draft_cache, k, temperature, generator, clock, graph):
+    def __init__(
+        self, target, draft, target_cache, draft_cache, k, temperature, generator, clock, graph, ssd=None
+    ):
         self.target, self.draft, self.k = target, draft, k
         self.target_cache, self.draft_cache = target_cache, draft_cache
         self.temperature, self.generator, self.clock = temperature, generator, clock
-        self.graph, self.cuda_graph = graph, None
+        self.graph, self.cuda_graph, self.ssd = graph, None, ssd
+        self.hits: torch.Tensor | None = None
+        """[B, len(ssd.fan_outs)] after a step with `ssd`: each row's SSD cache hit per fan-out."""
 
     def start(self, last: torch.Tensor, y: torch.Tensor, active: torch.Tensor) -> None:
         self.last, self.y, self.active = last.clone(), y.clone(), active.clone()
@@ -170,16 +215,33 @@ class SpecStep:
         if self.cuda_graph is None:
             return self._run(self.clock, static=False)
         self.cuda_graph.replay()
+        self.hits = self.graph_hits
         return self.kept, self.n_accepted
 
     def _run(self, clock: Clock, static: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        draft, target, tc, dc = self.draft, self.target, self.target_cache, self.draft_cache
+        draft, target, tc, dc, ssd = self.draft, self.target, self.target_cache, self.draft_cache, self.ssd
         with clock.time("draft"):
-            drafted, q = propose(draft, self.y, dc, self.k, self.temperature, self.generator, static)
+            reshape = ssd and ssd.saguaro_factor != 1.0 and (ssd.saguaro_fan_out, ssd.saguaro_factor)
+            # SSD's outcome "all K accepted" needs the draft's distribution after d_K: one more step
+            drafted, q, logits = propose(
+                draft,
+                self.y,
+                dc,
+                self.k,
+                self.temperature,
+                self.generator,
+                static,
+                reshape or None,
+                bool(ssd),
+            )
         with clock.time("target"):
             ids = torch.cat([self.last[:, None], drafted], 1)
             hidden = target.forward_cached(ids, tc, static, draft.capture)  # the states the draft reads too
             n_accepted, last = accept(drafted, target.logits(hidden), q, self.temperature, self.generator)
+        if ssd:
+            self.hits = torch.stack(
+                [cache_hits(logits, drafted, n_accepted, last, f) for f in ssd.fan_outs], 1
+            )
         # A row's new tokens: the accepted d_1 … d_n, then the target's token. They are also the
         # tokens that follow the newly committed positions, which the draft's refill reads.
         kept = torch.cat([drafted, last[:, None]], 1).scatter(1, n_accepted[:, None], last[:, None])
@@ -206,6 +268,7 @@ class SpecStep:
         self.cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.cuda_graph):  # records the step; runs nothing
             self.kept, self.n_accepted = self._run(NO_CLOCK, static=True)
+        self.graph_hits = self.hits
 
     def _restore(self, saved: list[torch.Tensor]) -> None:
         for live, value in zip(
@@ -238,20 +301,29 @@ def propose(
     temperature: float,
     generator: torch.Generator | None,
     static: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """k draft tokens [B, k] chained from y (the entry of the last committed position), and the
-    distributions q [B, k, V] they were drawn from (None when greedy)."""
-    tokens, dists = [], []
+    saguaro_shape: tuple[int, float] | None = None,
+    score_after: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """k draft tokens [B, k] chained from y (the entry of the last committed position), the
+    distributions q [B, k, V] they were drawn from (None when greedy) and the draft's logits
+    [B, k, V] ([B, k + 1, V] with `score_after`: also after d_k, one more chained step).
+    `saguaro_shape` (fan-out, factor): sampled drafts come from Saguaro's q'."""
+    tokens, dists, scores = [], [], []
     for step in range(k):
         if step > 0:
             y = draft.chain(y, tokens[-1], cache, step, static)
         logits = draft.logits(y)
+        scores.append(logits)
         if temperature == 0:
             tokens.append(logits.argmax(-1))
         else:
-            dists.append(probabilities(logits, temperature))
+            q = probabilities(logits, temperature)
+            dists.append(saguaro(q, *saguaro_shape) if saguaro_shape else q)
             tokens.append(draw(dists[-1], generator))
-    return torch.stack(tokens, 1), torch.stack(dists, 1) if dists else None
+    if score_after:
+        scores.append(draft.logits(draft.chain(y, tokens[-1], cache, k, static)))
+    dists = torch.stack(dists, 1) if dists else None
+    return torch.stack(tokens, 1), dists, torch.stack(scores, 1)
 
 
 def accept(

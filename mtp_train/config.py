@@ -42,8 +42,10 @@ class ModelConfig:
     """eagle3: the target layers whose entering states it fuses (id k = Hugging Face's
     `hidden_states[k]`); None: 2, L/2, L − 3, the layers vLLM and SGLang capture by default."""
     draft_vocab_size: int | None = None
-    """eagle3: the draft vocabulary, the most frequent target tokens of the training answers; None:
-    32,000 for target vocabularies of ≥ 100k, the whole vocabulary for smaller ones."""
+    """The draft vocabulary: the head scores only the most frequent target tokens of the training
+    answers (its lm_head and loss cost shrink in proportion). None: for eagle3 32,000 on target
+    vocabularies of ≥ 100k, else the whole vocabulary. The engines' eagle3 / speculators layouts
+    carry it; their eagle1 / deepseek_mtp loaders score the whole vocabulary and refuse it."""
 
     def __post_init__(self):
         require(self.head_mlp in ("dense", "moe"), "model.head_mlp", self.head_mlp, "dense or moe")
@@ -275,6 +277,18 @@ class ValidateConfig:
     """Children each expanded tree node scores, and nodes expanded per depth (EAGLE-2's top-k: 10)."""
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     """0 for greedy; otherwise sampled with rejection sampling."""
+    ssd_fan_outs: list[int] = field(default_factory=list)
+    """SSD outcome prediction scored on every chain (`inference_ref/ssd.py`): the share of verifies
+    whose outcome (accepted count, the target's token) an asynchronous drafter caching the draft's
+    top F tokens per outcome position would have predicted, per F (e.g. [1, 4, 8, 16]). Costs one
+    more draft step per verify (in the chains' timing). Off by default."""
+    saguaro_factors: list[float] = field(default_factory=list)
+    """SSD's Saguaro sampling: for each factor c and each sampled temperature, every chain again
+    with the draft's top `saguaro_fan_out` + 1 tokens scaled by c in the distribution it drafts
+    from and is verified against (the output stays the target's); reported beside the plain
+    chain with its acceptance and SSD hit rates (e.g. [0.5, 0.2])."""
+    saguaro_fan_out: int = 4
+    """The draft tokens Saguaro sampling scales (+ the drafted one)."""
     batch_size: int = 16
     """Sequences decoded together."""
     cuda_graph: bool = True
@@ -314,6 +328,13 @@ class ValidateConfig:
         require(
             len(temps) > 0 and all(t >= 0 for t in temps), "validate.temperatures", temps, "temperatures >= 0"
         )
+        fan_outs, factors = list(self.ssd_fan_outs), list(self.saguaro_factors)
+        require(all(f >= 1 for f in fan_outs), "validate.ssd_fan_outs", fan_outs, "fan-outs >= 1")
+        require(all(c > 0 for c in factors), "validate.saguaro_factors", factors, "factors > 0")
+        require(
+            not factors or fan_outs, "validate.saguaro_factors", factors, "set with validate.ssd_fan_outs"
+        )
+        at_least("validate", self, 1, "saguaro_fan_out")
 
 
 @dataclass

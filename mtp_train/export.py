@@ -42,7 +42,14 @@ from inference_ref.head_spec import (
 from inference_ref.target import TargetConfig, frozen_target_tensors
 from mtp_train.cli import one_line_errors
 from mtp_train.config import checked  # also registers the schema Hydra composes
-from mtp_train.engine_layouts import EAGLE3_BLOCK, LAYOUTS, Symbolic, check_layout, resolve
+from mtp_train.engine_layouts import (
+    EAGLE3_BLOCK,
+    LAYOUTS,
+    LayoutUnsupported,
+    Symbolic,
+    check_layout,
+    resolve,
+)
 from mtp_train.heads import MTPHead, build
 from mtp_train.heads.kinds import LAYER_KINDS
 from mtp_train.run import Target
@@ -78,8 +85,10 @@ def native_table(spec: HeadSpec, store_shared: bool) -> dict[str, tuple[int, ...
     if spec.kind.reads_aux:
         block = EAGLE3_BLOCK
     dims = {**dims, "Vd": spec.vocab, "nH": len(spec.aux_layers) * spec.target.hidden_size}
+    vocabulary = {"d2t": ("Vd",)} if spec.draft_vocab_size else {}
     symbolic = {
         **NATIVE_OWN[spec.variant],
+        **vocabulary,
         **{f"layer.{name}": shape for name, shape in block.items()},
         **(NATIVE_SHARED if store_shared else {}),
     }
@@ -276,6 +285,12 @@ def _layout_writer(
         return lambda d: write_files(d, tensors, config)
     if name not in LAYOUTS:
         raise ValueError(f"export.formats: unknown layout {name!r} (known: native, {', '.join(LAYOUTS)})")
+    if head.spec.draft_vocab_size and not head.spec.kind.reads_aux:
+        raise LayoutUnsupported(
+            f"layout {name}: the engine's {head.spec.variant} loader scores the whole target vocabulary, "
+            f"this head a draft vocabulary of {head.spec.vocab} tokens (model.draft_vocab_size): export "
+            "it native, or train it with model.draft_vocab_size=null"
+        )
     if (
         head.spec.kind.reads_aux
     ):  # the EAGLE-3 layouts hold the draft lm_head (and speculators the embeddings)

@@ -84,10 +84,10 @@ def aux_layers_of(model, target: TargetConfig) -> tuple[int, ...]:
 def head_spec(model, target: TargetConfig) -> HeadSpec:
     """The head the `model` config group asks for on `target`."""
     kind = HEAD_KINDS.get(model.variant)
-    if kind is None or not kind.reads_aux:
-        return HeadSpec(model.variant, target, model.head_mlp)
+    eagle3 = kind is not None and kind.reads_aux
     vocab = model.draft_vocab_size
     if vocab is None:
-        vocab = DRAFT_VOCAB if target.vocab_size >= 100_000 else 0
+        vocab = DRAFT_VOCAB if eagle3 and target.vocab_size >= 100_000 else 0
     draft_vocab = 0 if vocab == target.vocab_size else vocab
-    return HeadSpec(model.variant, target, model.head_mlp, aux_layers_of(model, target), draft_vocab)
+    aux = aux_layers_of(model, target) if eagle3 else ()
+    return HeadSpec(model.variant, target, model.head_mlp, aux, draft_vocab)

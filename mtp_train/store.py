@@ -453,7 +453,7 @@ class Store:
 
     def most_frequent_tokens(self, n: int, vocab_size: int) -> torch.Tensor:
         """The `n` target ids most often supervised in the store (ties: the lower id), increasing:
-        an eagle3 head's draft vocabulary, as the EAGLE reference and SpecForge choose it."""
+        a head's draft vocabulary, as the EAGLE reference and SpecForge choose it."""
         counts = torch.zeros(vocab_size, dtype=torch.int64)
         for shard in self._shards:
             counts += torch.bincount(

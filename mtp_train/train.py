@@ -45,13 +45,13 @@ def build_head(
     model: ModelConfig, target: Target, frozen_dtype: torch.dtype, store: Store | None = None
 ) -> MTPHead:
     """A fresh head on the target's frozen embeddings, final norm and lm_head (read by name only).
-    An eagle3 head's draft vocabulary is the store's most frequent supervised tokens."""
+    A draft vocabulary is the store's most frequent supervised tokens."""
     spec = head_spec(model, target.config)
     frozen = {k: v.to(frozen_dtype) for k, v in frozen_target_tensors(target.dir).items()}
     draft_ids = None
     if spec.draft_vocab_size:
         if store is None:
-            raise ValueError("an eagle3 head with a draft vocabulary needs the store to count tokens in")
+            raise ValueError("a head with a draft vocabulary needs the store to count tokens in")
         draft_ids = store.most_frequent_tokens(spec.draft_vocab_size, spec.target.vocab_size)
     head = build(spec, frozen, draft_ids)
     if model.init_from_target_mtp:

@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.draft import MTPDraft, check_head_fits_target, load_draft
 from inference_ref.generate import generate, prefill
-from inference_ref.speculative import SpecStats, most_accepted, speculative_generate, verify_tokens
+from inference_ref.speculative import SSD, SpecStats, most_accepted, speculative_generate, verify_tokens
 from inference_ref.target import TargetModel, load_target
 from inference_ref.tree import TreeShape
 from mtp_train.batching import align_sample, collate
@@ -77,6 +77,8 @@ def merge(total: SpecStats, part: SpecStats) -> None:
     for j in range(total.k):
         total.tried[j] += part.tried[j]
         total.accepted[j] += part.accepted[j]
+    for i in range(len(total.hits)):
+        total.hits[i] += part.hits[i]
     total.steps += part.steps
     total.emitted += part.emitted
     total.draft_s += part.draft_s
@@ -128,16 +130,32 @@ def timed_pass(
 
 
 def speculative_pass(
-    ev: Evaluator, prompts, k: int | TreeShape, temperature: float, vc, seed: int, label: str | None = None
+    ev: Evaluator,
+    prompts,
+    k: int | TreeShape,
+    temperature: float,
+    vc,
+    seed: int,
+    label: str | None = None,
+    ssd: SSD | None = None,
 ):
-    """Speculative decoding over every turn with a chain of k or a tree of shape k: its counts and
-    times, the dialogs and answer tokens."""
-    stats = SpecStats(most_accepted(k))
+    """Speculative decoding over every turn with a chain of k or a tree of shape k (`ssd`: SSD's
+    outcome prediction scored too): its counts and times, the dialogs and answer tokens."""
+    stats = SpecStats(most_accepted(k), fan_outs=ssd.fan_outs if ssd else ())
     generator = torch.Generator(device=ev.target.embed_tokens.weight.device).manual_seed(seed)
 
     def generate_ids(ids):
         out = speculative_generate(
-            ev.target, ev.draft, ids, vc.max_new_tokens, ev.eos, k, temperature, generator, vc.cuda_graph
+            ev.target,
+            ev.draft,
+            ids,
+            vc.max_new_tokens,
+            ev.eos,
+            k,
+            temperature,
+            generator,
+            vc.cuda_graph,
+            ssd,
         )
         merge(stats, out.stats)
         return out.tokens
@@ -164,6 +182,11 @@ def speculative_report(stats: SpecStats, timing: dict, k: int | TreeShape) -> di
             "steps": stats.steps,
             "emitted": stats.emitted,
         },
+        **(
+            {"ssd_hit_rate": {str(f): r for f, r in stats.hit_rate.items()}, "counts_ssd_hits": stats.hits}
+            if stats.fan_outs
+            else {}
+        ),
         **timing,
         # the eager loop's split; replayed graphs are not split (their draft_s/target_s would be the prefills')
         **({"cuda_graph": True} if stats.graphed else {"draft_s": stats.draft_s, "target_s": stats.target_s}),
@@ -174,10 +197,23 @@ def target_only_pass(ev: Evaluator, prompts, vc, label: str | None = None):
     return timed_pass(ev, prompts, vc, lambda ids: generate(ev.target, ids, vc.max_new_tokens, ev.eos), label)
 
 
-def drafts(vc) -> list[tuple[str, int | TreeShape]]:
-    """The drafts measured, under their report keys: each chain (`k=3`), then each tree (`tree n=16`)."""
+def drafts(vc, temperature: float) -> list[tuple[str, int | TreeShape, SSD | None]]:
+    """The drafts measured, under their report keys: each chain (`k=3`; with SSD scored where
+    `ssd_fan_outs` asks), each tree (`tree n=16`), then sampled, each chain under Saguaro sampling
+    per factor (`k=3 saguaro c=0.5`)."""
     trees = [TreeShape(vc.tree_depth, vc.tree_top_k, n) for n in vc.tree_budgets]
-    return [(f"k={k}", k) for k in vc.chain_lengths] + [(f"tree n={t.nodes}", t) for t in trees]
+    fan_outs = tuple(vc.ssd_fan_outs)
+    ssd = SSD(fan_outs) if fan_outs else None
+    saguaro = [c for c in vc.saguaro_factors if temperature > 0]
+    return (
+        [(f"k={k}", k, ssd) for k in vc.chain_lengths]
+        + [(f"tree n={t.nodes}", t, None) for t in trees]
+        + [
+            (f"k={k} saguaro c={c:g}", k, SSD(fan_outs, c, vc.saguaro_fan_out))
+            for c in saguaro
+            for k in vc.chain_lengths
+        ]
+    )
 
 
 # --- teacher-forced loss, twice -----------------------------------------------------------------
@@ -320,10 +356,12 @@ def run_validation(cfg: RunConfig) -> dict:
     for temperature in vc.temperatures:
         name = "greedy" if temperature == 0 else f"T={temperature:g}"
         runs = report["speculative"][name] = {}
-        for key, k in drafts(vc):
+        for key, k, ssd in drafts(vc, temperature):
             label = f"validate: {name}, {key}"
-            stats, timing, _, tokens = speculative_pass(ev, prompts, k, temperature, vc, vc.seed, label)
+            stats, timing, _, tokens = speculative_pass(ev, prompts, k, temperature, vc, vc.seed, label, ssd)
             figures = speculative_report(stats, timing, k)
+            if ssd and ssd.saguaro_factor != 1.0:
+                figures["saguaro"] = {"factor": ssd.saguaro_factor, "fan_out": ssd.saguaro_fan_out}
             if temperature == 0:
                 figures["identical_to_target_greedy"] = tokens == base_tokens
                 # in bf16 near-ties can part the texts (see validate.dtype): the share that did not
@@ -487,6 +525,8 @@ def plot_acceptance(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, len(modes), figsize=(5 * len(modes), 8), squeeze=False)
     for ax, budgets, (mode, runs) in zip(axes[0], axes[1], modes.items()):
         for name, run in runs.items():
+            if "saguaro" in run:
+                continue  # Saguaro sampling is in the SSD lines of the summary
             rates = run["accept_rate"]
             ax.plot(
                 range(1, len(rates) + 1),
@@ -514,7 +554,7 @@ def plot_budgets(ax, mode: str, runs: dict) -> None:
         points = sorted(
             (run["verify_tokens"], run["mean_accepted_len"])
             for run in runs.values()
-            if run.get("draft", "chain") == draft and "verify_tokens" in run
+            if run.get("draft", "chain") == draft and "verify_tokens" in run and "saguaro" not in run
         )
         if points:
             ax.plot(*zip(*points), marker="o", linestyle="--" if draft == "tree" else "-", label=draft)
@@ -535,6 +575,12 @@ def draft_words(name: str, run: dict) -> str:
             f"expansion), {run['verify_tokens']} tokens per verify"
         )
     verify = f", {run['verify_tokens']} tokens per verify" if "verify_tokens" in run else ""
+    if "saguaro" in run:
+        s = run["saguaro"]
+        return (
+            f"k={run['k']} draft tokens per step{verify}, drafted with Saguaro sampling (the draft's "
+            f"top {s['fan_out']} + 1 tokens weighted by {s['factor']:g})"
+        )
     return f"{name} draft tokens per step{verify}"
 
 
@@ -542,7 +588,7 @@ def equal_budgets(mode: str, runs: dict) -> list[str]:
     """A line of τ by tokens per verify forward, chains beside trees, where the report has trees."""
     by_size: dict[int, dict[str, float]] = {}
     for run in runs.values():
-        if "verify_tokens" in run:
+        if "verify_tokens" in run and "saguaro" not in run:
             by_size.setdefault(run["verify_tokens"], {})[run.get("draft", "chain")] = run["mean_accepted_len"]
     if not any("tree" in drafts for drafts in by_size.values()):
         return []
@@ -576,6 +622,12 @@ def summary(report: dict) -> str:
                 lines.append(
                     f"  output identical to the target decoding alone: {run['identical_to_target_greedy']} "
                     f"({run['identical_answers']:.0%} of answers)"
+                )
+            if "ssd_hit_rate" in run:
+                hits = ", ".join(f"F={f}: {r:.2f}" for f, r in run["ssd_hit_rate"].items())
+                lines.append(
+                    "  SSD: verifies whose outcome (accepted count and the target's token) is among the "
+                    f"draft's top F predictions per position (an asynchronous drafter's cache hits): {hits}"
                 )
             lines.append(
                 f"  {run['speedup_vs_target_only']:.2f}× the target's own speed in this reference loop "

@@ -51,3 +51,49 @@ def test_geometric_fan_out_spends_the_budget_where_outcomes_are_likely():
     fan = geometric_fan_out(32, 4, 0.6, 0.5)
     assert abs(sum(fan) - 32) < 1e-9
     assert fan[0] > fan[1] > fan[2] > fan[3]  # fewer accepted drafts are likelier outcomes
+
+
+# ------------------------------------------------------------------ in the loop (`speculative_generate`)
+
+
+def test_ssd_bookkeeping_changes_nothing_and_a_whole_vocabulary_cache_always_hits(tmp_path):
+    from test_speculative import bigram_head, random_prompts, serve, small_target
+
+    from inference_ref.speculative import SSD, speculative_generate
+
+    target = small_target()
+    draft = serve(bigram_head(target, "rmsnorm-restored"), target, tmp_path)
+    prompts = random_prompts(64, (3, 9, 17, 1, 6, 30))
+    vocab = target.cfg.vocab_size
+    for k in (1, 3):
+        plain = speculative_generate(target, draft, prompts, 40, [5], k)
+        scored = speculative_generate(target, draft, prompts, 40, [5], k, ssd=SSD((1, 2, 8, vocab)))
+        assert scored.tokens == plain.tokens
+        assert (scored.stats.tried, scored.stats.accepted) == (plain.stats.tried, plain.stats.accepted)
+        rate = scored.stats.hit_rate
+        # every outcome's token is in a cache of the whole vocabulary (the rejected draft aside,
+        # which greedy t* never is); smaller caches hit less, and a fair draft's top-1 often
+        assert rate[vocab] == 1.0 and rate[1] <= rate[2] <= rate[8] <= 1.0 and rate[1] > 0.2, rate
+
+
+def test_saguaro_sampling_keeps_the_target_distribution_and_raises_hits(tmp_path):
+    from test_speculative import bigram_head, chi_square_pvalue, exact_joint, serve, small_target
+
+    from inference_ref.speculative import SSD, speculative_generate
+
+    target = small_target()
+    draft = serve(bigram_head(target, "eagle1"), target, tmp_path)
+    prompt, runs = [3, 14, 15, 9], 4000
+
+    def sampled(factor: float):
+        g = torch.Generator().manual_seed(0)
+        ssd = SSD((1, 4), saguaro_factor=factor, saguaro_fan_out=4)
+        return speculative_generate(target, draft, [prompt] * runs, 3, [], 2, 1.0, g, ssd=ssd)
+
+    plain, reshaped = sampled(1.0), sampled(0.2)
+    assert chi_square_pvalue(reshaped.tokens, exact_joint(target, prompt, 1.0)) > 1e-3
+    # the residual max(p − q', 0) sits on the down-weighted top tokens: rejections land in the cache
+    assert reshaped.stats.hit_rate[1] > plain.stats.hit_rate[1] + 0.02, (
+        plain.stats.hit_rate,
+        reshaped.stats.hit_rate,
+    )

@@ -12,8 +12,8 @@ __all__ = ["Eagle3Head", "HeadLayer", "HeadSpec", "MTPHead", "build"]
 
 
 def build(spec: HeadSpec, frozen: dict[str, torch.Tensor], draft_ids: torch.Tensor | None = None) -> MTPHead:
-    """The training head of `spec`'s kind on the target's frozen tensors (`draft_ids`: eagle3's
-    draft vocabulary, None for the whole target vocabulary)."""
+    """The training head of `spec`'s kind on the target's frozen tensors (`draft_ids`: the draft
+    vocabulary's target ids, None for the whole target vocabulary)."""
     if spec.kind.reads_aux:
         return Eagle3Head(spec, frozen, draft_ids)
-    return MTPHead(spec, frozen)
+    return MTPHead(spec, frozen, draft_ids)

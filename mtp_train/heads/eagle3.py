@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from inference_ref.causal_lm import RMSNorm
-from inference_ref.head_spec import HeadSpec, draft_ids
+from inference_ref.head_spec import HeadSpec
 from mtp_train.head_attention import Segments
 from mtp_train.heads.llama import HeadAttention, HeadMLP
 from mtp_train.heads.mtp import MTPHead
@@ -58,14 +58,5 @@ class Eagle3Head(MTPHead):
         self.fc = nn.Linear(len(spec.aux_layers) * h, h, bias=False)
         self.layer = Eagle3Layer(t.target)
         self.norm = RMSNorm(h, t.target.rms_norm_eps)
-        ids = torch.arange(spec.vocab) if draft_ids is None else draft_ids.long()
-        if ids.shape != (spec.vocab,):
-            raise ValueError(f"draft ids: {tuple(ids.shape)}, expected ({spec.vocab},)")
-        # d2t as the engines store it: target id = draft id + d2t[draft id]. Persistent: it is the head's.
-        self.register_buffer("d2t", ids - torch.arange(spec.vocab))
-        self.share(frozen, lm_head_rows=ids)
+        self.share(frozen, self.draft_vocabulary(draft_ids, always=True))  # the engines' files hold d2t
         self.reset_parameters()
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        return draft_ids(self.d2t)

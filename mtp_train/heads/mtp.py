@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_ref.causal_lm import RMSNorm, rms_norm
-from inference_ref.head_spec import HeadSpec, output_state, project
+from inference_ref.head_spec import HeadSpec, draft_ids, output_state, project
 from inference_ref.target import TargetConfig
 from mtp_train.head_attention import Segments
 from mtp_train.heads.kinds import LAYER_KINDS
@@ -47,7 +47,9 @@ class HeadLayer(nn.Module):
 class MTPHead(nn.Module):
     """The head being trained: `HeadSpec`'s structure, on the target's frozen shared tensors."""
 
-    def __init__(self, spec: HeadSpec, frozen: dict[str, torch.Tensor]):
+    def __init__(
+        self, spec: HeadSpec, frozen: dict[str, torch.Tensor], draft_ids: torch.Tensor | None = None
+    ):
         super().__init__()
         t = spec.target
         self.spec = spec
@@ -58,8 +60,26 @@ class MTPHead(nn.Module):
             self.norm = RMSNorm(h, t.rms_norm_eps)
         self.fc = nn.Linear(2 * h, h, bias=spec.kind.fc_bias)
         self.layer = HeadLayer(t, input_norm=spec.restored, mlp=spec.mlp)
-        self.share(frozen)
+        self.share(frozen, self.draft_vocabulary(draft_ids, always=False))
         self.reset_parameters()
+
+    def draft_vocabulary(self, draft_ids: torch.Tensor | None, always: bool) -> torch.Tensor | None:
+        """Record the draft vocabulary (`draft_ids` [Vd], increasing target ids) as `d2t`, the
+        offsets the engines store (target id = draft id + d2t[draft id]), persistent: it is the
+        head's. Returns the lm_head rows to keep (None: all). `always`: a kind whose format holds
+        d2t even for the whole vocabulary (eagle3)."""
+        spec = self.spec
+        if draft_ids is None and spec.draft_vocab_size:
+            raise ValueError(
+                f"a head with a draft vocabulary (model.draft_vocab_size={spec.vocab}) needs its token "
+                "ids: the store's most frequent tokens"
+            )
+        ids = torch.arange(spec.vocab) if draft_ids is None else draft_ids.long()
+        if ids.shape != (spec.vocab,):
+            raise ValueError(f"draft ids: {tuple(ids.shape)}, expected ({spec.vocab},)")
+        if spec.draft_vocab_size or always:
+            self.register_buffer("d2t", ids - torch.arange(spec.vocab))
+        return ids if spec.draft_vocab_size else None
 
     def share(self, frozen: dict[str, torch.Tensor], lm_head_rows: torch.Tensor | None = None) -> None:
         """The target's embeddings, final norm and lm_head (its `lm_head_rows` only, for a draft
@@ -69,6 +89,12 @@ class MTPHead(nn.Module):
         self.register_buffer("final_norm_weight", frozen["model.norm.weight"], persistent=False)
         rows = lm_head if lm_head_rows is None else lm_head[lm_head_rows]
         self.register_buffer("lm_head_weight", rows, persistent=False)
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """The target id of each lm_head row, where the head has a draft vocabulary (else None)."""
+        d2t = getattr(self, "d2t", None)
+        return None if d2t is None else draft_ids(d2t)
 
     def reset_parameters(self) -> None:
         """Norms start at the target's final norm (z lives where final_norm(h) does); linears, the

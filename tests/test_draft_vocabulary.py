@@ -1,0 +1,138 @@
+"""A draft vocabulary on the rmsnorm-restored and eagle1 heads: the lm_head keeps the store's most
+frequent tokens, training scores only them, serving maps them back to target ids (greedy output
+still the target's), the native export carries `d2t`, and the engines' whole-vocabulary layouts
+refuse it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from inference_ref.draft import load_draft
+from inference_ref.head_spec import HeadSpec, draft_ids
+from inference_ref.target import load_target
+from mtp_train.engine_layouts import LayoutUnsupported
+from mtp_train.export import export, load_head
+from mtp_train.precompute import run_precompute
+from mtp_train.run import Target
+from mtp_train.store import Store
+from mtp_train.train import train
+from mtp_train.validate import run_validation, summary
+from tiny import assert_tau_consistent
+
+REPO = Path(__file__).resolve().parent.parent
+GSM8K = REPO / "tests" / "data" / "gsm8k_64.jsonl"
+MT_BENCH = REPO / "data" / "mt_bench.jsonl"
+VOCAB = 1024
+
+
+def config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+        return compose("config", overrides=overrides)
+
+
+def overrides(target: Path, run: Path, variant: str, *extra: str) -> list[str]:
+    return [
+        "model=tiny_random",
+        f"model.target={target}",
+        "model.dtype=float32",
+        f"model.variant={variant}",
+        f"model.draft_vocab_size={VOCAB}",
+        f"run_dir={run}",
+        f"data.train_files=[{GSM8K}]",
+        "data.max_samples=24",
+        "train.steps=6",
+        "train.unroll_steps=2",
+        "train.warmup_steps=2",
+        "train.tokens_per_micro_batch=512",
+        "train.save_every=0",
+        f"validate.eval_files=[{MT_BENCH}]",
+        "validate.num_prompts=2",
+        "validate.max_new_tokens=12",
+        "validate.chain_lengths=[2]",
+        "validate.teacher_forced_samples=2",
+        # the rest of what validation reports, on the same run: SSD, Saguaro sampling, a tree
+        "validate.ssd_fan_outs=[1,4]",
+        "validate.saguaro_factors=[0.5]",
+        "validate.tree_budgets=[4]",
+        "validate.tree_depth=2",
+        "validate.tree_top_k=2",
+        "export.formats=[native]",
+        "export.dtype=float32",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module", params=["rmsnorm-restored", "eagle1"])
+def pipeline(request, tiny_target, tmp_path_factory):
+    run = tmp_path_factory.mktemp(f"vocab_{request.param}")
+    cfg = config(overrides(tiny_target, run, request.param))
+    store = run_precompute(cfg)
+    train(cfg)
+    return {"cfg": cfg, "store": store, "report": run_validation(cfg), "exported": export(cfg)}
+
+
+def test_the_head_scores_the_stores_most_frequent_tokens(pipeline, tiny_target):
+    cfg = pipeline["cfg"]
+    head = load_head(Path(cfg.train.out_dir) / "head", Target.resolve(str(tiny_target)))
+    ids = Store(pipeline["store"]).most_frequent_tokens(VOCAB, head.spec.target.vocab_size)
+    assert torch.equal(head.draft_ids, ids.long())
+    full = load_target(tiny_target).lm_head.weight
+    assert head.lm_head_weight.shape == (VOCAB, full.shape[1])
+    torch.testing.assert_close(head.lm_head_weight, full[ids])
+
+
+def test_it_serves_through_the_loop_with_target_ids(pipeline):
+    report = pipeline["report"]
+    greedy = report["speculative"]["greedy"]["k=2"]
+    assert greedy["identical_to_target_greedy"]  # the draft's ids mapped back: the target's output
+    assert_tau_consistent(greedy, k=2)
+    assert_tau_consistent(report["speculative"]["T=1"]["k=2"], k=2)
+    tf = report["teacher_forced"]
+    # training (restricted softmax over the draft vocabulary) and serving (the same restriction) agree
+    assert tf["parity_gap"]["ce"] < 1e-3 * max(1.0, tf["trainer"]["ce"])
+
+
+def test_the_native_export_carries_d2t_and_loads_back(pipeline, tiny_target):
+    native = pipeline["exported"]["native"]
+    config_ = json.loads((native / "config.json").read_text())
+    assert config_["draft_vocab_size"] == VOCAB and "aux_layers" not in config_
+    assert HeadSpec.from_config(config_).draft_vocab_size == VOCAB
+    tensors = load_file(str(native / "head.safetensors"))
+    assert tensors["d2t"].shape == (VOCAB,) and "lm_head.weight" not in tensors
+    draft = load_draft(native, load_target(tiny_target))
+    ids = draft_ids(tensors["d2t"])
+    assert torch.equal(draft.draft_ids, ids)
+    logits = draft.logits(torch.randn(3, draft.spec.target.hidden_size))
+    outside = torch.ones(logits.shape[-1], dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isfinite(logits[:, ids]).all() and torch.isneginf(logits[:, outside]).all()
+
+
+@pytest.mark.parametrize("layout", ["eagle1", "deepseek_mtp"])
+def test_whole_vocabulary_engine_layouts_refuse_it(pipeline, layout, tmp_path):
+    cfg = pipeline["cfg"]
+    cfg.export.formats, cfg.export.out_dir = [layout], str(tmp_path / "export")
+    with pytest.raises(LayoutUnsupported, match="draft vocabulary of 1024 tokens"):
+        export(cfg)
+    assert not (tmp_path / "export").exists()
+
+
+def test_the_report_carries_ssd_hits_saguaro_runs_and_trees(pipeline):
+    greedy, sampled = pipeline["report"]["speculative"]["greedy"], pipeline["report"]["speculative"]["T=1"]
+    for run in (greedy["k=2"], sampled["k=2"]):
+        rate = run["ssd_hit_rate"]
+        assert list(rate) == ["1", "4"] and 0 <= rate["1"] <= rate["4"] <= 1
+        assert run["counts_ssd_hits"] == [round(r * run["counts"]["steps"]) for r in rate.values()]
+    saguaro = sampled["k=2 saguaro c=0.5"]
+    assert saguaro["saguaro"] == {"factor": 0.5, "fan_out": 4} and set(saguaro["ssd_hit_rate"]) == {"1", "4"}
+    assert_tau_consistent(saguaro, k=2)
+    assert "k=2 saguaro c=0.5" not in greedy  # Saguaro reshapes a sampled draft only
+    assert greedy["tree n=4"]["draft"] == "tree" and "ssd_hit_rate" not in greedy["tree n=4"]
+    text = summary(pipeline["report"])
+    assert "SSD: verifies whose outcome" in text and "Saguaro sampling" in text
