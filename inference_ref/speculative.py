@@ -112,6 +112,8 @@ class SpecOutput:
     tokens: list[list[int]]
     """New tokens per prompt, up to and including the first EOS."""
     stats: SpecStats
+    per_prompt: list[list[int]]
+    """Per prompt: [verify steps, tokens emitted, steps whose first draft token was accepted]."""
 
 
 @torch.inference_mode()
@@ -161,6 +163,7 @@ def speculative_generate(
     else:
         step = TreeStep(target, draft, target_cache, draft_cache, k, temperature, generator, clock)
     step.start(last, y, torch.tensor(active, device=device))
+    per_prompt = [[0, 0, 0] for _ in prompts]
     while any(active):
         kept, n_accepted = step()
         # One copy to the host per step (counts, tokens and SSD hits together): at batch 1 a step
@@ -169,13 +172,16 @@ def speculative_generate(
         rows = torch.cat([n_accepted[:, None], hits.long(), kept], 1).tolist()
         nh = hits.shape[1]
         stats.record([row[0] for row in rows], active, [row[1 : 1 + nh] for row in rows])
+        for b in (b for b, live in enumerate(active) if live):
+            n = rows[b][0]
+            per_prompt[b] = [per_prompt[b][0] + 1, per_prompt[b][1] + n + 1, per_prompt[b][2] + (n > 0)]
         rows = [row[:1] + row[1 + nh :] for row in rows]
         active = emit(outputs, active, rows, eos, max_new_tokens)
         step.active.copy_(torch.tensor(active))
 
     stats.draft_s, stats.target_s = clock.total["draft"], clock.total["target"]
     stats.graphed = use_graph
-    return SpecOutput(outputs, stats)
+    return SpecOutput(outputs, stats, per_prompt)
 
 
 def most_accepted(k: int | TreeShape) -> int:

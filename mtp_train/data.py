@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain, islice
 from pathlib import Path
 
@@ -80,6 +80,9 @@ class Prompt:
     """`file:N` of the record."""
     turns: list[list[Message]]
     """Messages to append before each answer; each group ends with the user message to answer."""
+    category: str | None = None
+    """The record's `category` where it has one (MT-bench's writing, roleplay, …): validation
+    reports acceptance per category."""
 
 
 # --- reading files ----------------------------------------------------------------------------
@@ -380,9 +383,19 @@ def user_turns(conv: Conversation) -> Prompt:
     return Prompt(conv.id, conv.source, turns)
 
 
+def category_of(record: dict, source: str) -> str | None:
+    category = record.get("category")
+    if category is not None and not isinstance(category, str):
+        raise _error(source, "category", f"expected a string, got {category!r:.60}")
+    return category
+
+
 def load_prompts(files: Iterable[str | Path], limit: int | None = None) -> list[Prompt]:
     """The first `limit` records of `files`, cut to their user turns (each to be answered in turn)."""
-    prompts = [user_turns(to_conversation(r, s)) for s, r in islice(iter_all(files), limit)]
+    prompts = [
+        replace(user_turns(to_conversation(r, s)), category=category_of(r, s))
+        for s, r in islice(iter_all(files), limit)
+    ]
     seen: dict[str, str] = {}
     for p in prompts:
         # Regeneration resumes by id: two records sharing one would make the second look done.

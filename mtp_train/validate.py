@@ -87,15 +87,15 @@ def merge(total: SpecStats, part: SpecStats) -> None:
 
 
 def answer_turns(ev: Evaluator, prompts: list[Prompt], batch_size: int, answer) -> list[list[dict]]:
-    """Answer every prompt's turns in order (turn 2 sees the answer to turn 1); `answer(ids)` gives
-    new tokens per prompt. Returns the dialogs."""
+    """Answer every prompt's turns in order (turn 2 sees the answer to turn 1); `answer(ids, rows)`
+    gives new tokens per prompt (`rows`: the prompts' indices). Returns the dialogs."""
     dialogs: list[list[dict]] = [[] for _ in prompts]
     for turn in range(max(len(p.turns) for p in prompts)):
         asking = [i for i, p in enumerate(prompts) if turn < len(p.turns)]
         for start in range(0, len(asking), batch_size):
             rows = asking[start : start + batch_size]
             ids = prompt_ids(ev.tokenizer, [dialogs[i] + prompts[i].turns[turn] for i in rows])
-            for i, new in zip(rows, answer(ids)):
+            for i, new in zip(rows, answer(ids, rows)):
                 text = ev.tokenizer.decode([t for t in new if t not in ev.eos])
                 dialogs[i] += prompts[i].turns[turn] + [{"role": "assistant", "content": text}]
     return dialogs
@@ -104,15 +104,15 @@ def answer_turns(ev: Evaluator, prompts: list[Prompt], batch_size: int, answer) 
 def timed_pass(
     ev: Evaluator, prompts, vc, generate_ids, label: str | None = None
 ) -> tuple[dict, list, list[list[int]]]:
-    """Answer every turn with `generate_ids(ids) -> new tokens per prompt`, timed; with a `label`,
+    """Answer every turn with `generate_ids(ids, rows) -> new tokens per prompt`, timed; with a `label`,
     a progress bar (answers done, new tokens/s, ETA). Returns (new tokens and rate, dialogs, the
     new tokens of every answer in order)."""
     tokens: list[list[int]] = []
     bar = tqdm(total=sum(len(p.turns) for p in prompts), desc=label, unit="answer", disable=label is None)
     started = time.perf_counter()
 
-    def answer(ids):
-        out = generate_ids(ids)
+    def answer(ids, rows):
+        out = generate_ids(ids, rows)
         tokens.extend(out)
         bar.update(len(out))
         bar.set_postfix(new_tok_s=f"{sum(map(len, tokens)) / (time.perf_counter() - started):,.0f}")
@@ -143,8 +143,9 @@ def speculative_pass(
     outcome prediction scored too): its counts and times, the dialogs and answer tokens."""
     stats = SpecStats(most_accepted(k), fan_outs=ssd.fan_outs if ssd else ())
     generator = torch.Generator(device=ev.target.embed_tokens.weight.device).manual_seed(seed)
+    per_prompt = [[0, 0, 0] for _ in prompts]
 
-    def generate_ids(ids):
+    def generate_ids(ids, rows):
         out = speculative_generate(
             ev.target,
             ev.draft,
@@ -158,10 +159,27 @@ def speculative_pass(
             ssd,
         )
         merge(stats, out.stats)
+        for i, counts in zip(rows, out.per_prompt):
+            per_prompt[i] = [a + b for a, b in zip(per_prompt[i], counts)]
         return out.tokens
 
     timing, dialogs, tokens = timed_pass(ev, prompts, vc, generate_ids, label)
+    timing["by_category"] = by_category(prompts, per_prompt)
     return stats, timing, dialogs, tokens
+
+
+def by_category(prompts: list[Prompt], per_prompt: list[list[int]]) -> dict[str, dict]:
+    """τ and first-draft-token acceptance per prompt category (MT-bench's eight), where the prompts
+    have categories: the weak ones show."""
+    sums: dict[str, list[int]] = {}
+    for p, counts in zip(prompts, per_prompt):
+        if p.category is not None:
+            sums[p.category] = [a + b for a, b in zip(sums.get(p.category, [0, 0, 0]), counts)]
+    return {
+        c: {"mean_accepted_len": emitted / steps, "accept_first": first / steps, "steps": steps}
+        for c, (steps, emitted, first) in sums.items()
+        if steps
+    }
 
 
 def speculative_report(stats: SpecStats, timing: dict, k: int | TreeShape) -> dict:
@@ -194,7 +212,9 @@ def speculative_report(stats: SpecStats, timing: dict, k: int | TreeShape) -> di
 
 
 def target_only_pass(ev: Evaluator, prompts, vc, label: str | None = None):
-    return timed_pass(ev, prompts, vc, lambda ids: generate(ev.target, ids, vc.max_new_tokens, ev.eos), label)
+    return timed_pass(
+        ev, prompts, vc, lambda ids, rows: generate(ev.target, ids, vc.max_new_tokens, ev.eos), label
+    )
 
 
 def drafts(vc, temperature: float) -> list[tuple[str, int | TreeShape, SSD | None]]:
@@ -623,6 +643,9 @@ def summary(report: dict) -> str:
                     f"  output identical to the target decoding alone: {run['identical_to_target_greedy']} "
                     f"({run['identical_answers']:.0%} of answers)"
                 )
+            if run.get("by_category"):
+                taus = ", ".join(f"{c} {v['mean_accepted_len']:.2f}" for c, v in run["by_category"].items())
+                lines.append(f"  τ by prompt category: {taus}")
             if "ssd_hit_rate" in run:
                 hits = ", ".join(f"F={f}: {r:.2f}" for f, r in run["ssd_hit_rate"].items())
                 lines.append(

@@ -134,5 +134,12 @@ def test_the_report_carries_ssd_hits_saguaro_runs_and_trees(pipeline):
     assert_tau_consistent(saguaro, k=2)
     assert "k=2 saguaro c=0.5" not in greedy  # Saguaro reshapes a sampled draft only
     assert greedy["tree n=4"]["draft"] == "tree" and "ssd_hit_rate" not in greedy["tree n=4"]
+    # per MT-bench category (the two prompts are both "writing"): the same counts as the whole
+    run = greedy["k=2"]
+    assert list(run["by_category"]) == ["writing"]
+    writing = run["by_category"]["writing"]
+    assert writing["steps"] == run["counts"]["steps"]
+    assert writing["mean_accepted_len"] == run["mean_accepted_len"]
+    assert writing["accept_first"] == run["accept_rate"][0]
     text = summary(pipeline["report"])
     assert "SSD: verifies whose outcome" in text and "Saguaro sampling" in text
