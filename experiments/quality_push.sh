@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# #22's levers on SmolLM2-135M-Instruct, one GPU, each stage through the project's entry points:
+#   data  the target answers N shared chat prompts at full length (1,024 new tokens per turn, every
+#         turn; the six-head experiment stopped at 256), the store written from the generation's own
+#         states (regenerate.capture; precompute as the fallback), with EAGLE-3's aux states;
+#   heads A  restored, unroll 3, 600 steps        the six-head experiment's best row, new data only
+#         B  restored, unroll 4, 1,000 steps      + deeper training-time test, longer training
+#         C  eagle3,   unroll 4, 1,000 steps      EAGLE-3's features with the same
+#         all 32k-token micro-batches, warm-up 30, lr 1.5e-3 (chosen for restored and restored +
+#         unroll 3 on the set-aside prompts in the six-head experiment; not re-swept here);
+#   validation  MT-bench and vicuna-bench, both turns, 256 new tokens, batch 80, k = 1 … 5, greedy
+#         and T = 1, per category, SSD hit rates (F = 1, 4, 8, 16); head B also with EAGLE-2 trees
+#         of 4/16/32/64 nodes (depth 5) and Saguaro sampling (c = 0.5, 0.2).
+# After experiments/gpu_machine.sh's set-up (/root/smol converted, prompts under /root/dc, wheels
+# under /root/site). Every stage resumes.
+#   (setsid nohup bash experiments/quality_push.sh > /root/push.log 2>&1 &)   # /root/push.done at the end
+set -euo pipefail
+trap "touch ${R:-/root/push}.done" EXIT
+export PYTHONPATH=${SITE:-/root/site}:$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+R=${R:-/root/push}                  # run directory
+T=${T:-/root/smol}                  # the target
+CHAT=${CHAT:-/root/dc/chat_prompts.jsonl}
+N=${N:-14000}                       # prompts answered
+NEW=${NEW:-1024}                    # new tokens per turn (regeneration)
+BATCH=${BATCH:-512}                 # regeneration batch
+STEPS=${STEPS:-1000}                # heads B and C (A: 600, the six-head experiment's)
+BASE_STEPS=${BASE_STEPS:-600}
+TOKENS=${TOKENS:-32768}             # per micro-batch
+VAL_NEW=${VAL_NEW:-256}
+VAL_PROMPTS=${VAL_PROMPTS:-null}    # null: all 80
+mkdir -p "$R/logs"
+common=(model=smollm2_135m "model.target=$T" "run_dir=$R")
+log() { echo "[$(date +%T)] $*"; }
+
+# The six-head experiment's set-aside prompts (seed 0) stay out of the training data.
+python3 -c "
+from pathlib import Path
+from experiments.quality_smollm2 import Plan, split_prompts
+split_prompts(Path('$CHAT'), Path('$R'), Plan())"
+
+data=("data.train_files=[$R/regenerated.jsonl]" data.max_seq_len=2048 precompute.aux=true)
+store=$R/store
+if [ ! -f "$store/manifest.json" ]; then
+  log regenerate
+  regen=("regenerate.prompts=[$R/prompts/chat_train.jsonl]" "regenerate.limit=$N"
+         "regenerate.max_new_tokens=$NEW" regenerate.max_prompt_tokens=1024 "regenerate.batch_size=$BATCH")
+  start=$(date +%s)
+  if python3 -m mtp_train.regenerate "${common[@]}" "${regen[@]}" "${data[@]}" regenerate.capture=true \
+      > "$R/logs/regenerate.log" 2>&1; then
+    echo "{\"regenerate_capture_s\": $(( $(date +%s) - start ))}" > "$R/data_times.json"
+  else  # the answers written so far stay; the rest without capture, then precompute
+    log "capture failed (see logs/regenerate.log): regenerate + precompute"
+    python3 -m mtp_train.regenerate "${common[@]}" "${regen[@]}" "${data[@]}" \
+      > "$R/logs/regenerate_plain.log" 2>&1
+    store=$R/store_precomputed
+    python3 -m mtp_train.precompute "${common[@]}" "${data[@]}" "precompute.store_dir=$store" \
+      precompute.tokens_per_batch=65536 > "$R/logs/precompute.log" 2>&1
+  fi
+fi
+[ -f "$R/store_precomputed/manifest.json" ] && store=$R/store_precomputed
+
+train() {  # name, steps, overrides...
+  local name=$1 steps=$2
+  shift 2
+  [ -f "$R/heads/$name/train_summary.json" ] && return
+  python3 -m mtp_train.train "${common[@]}" "train.store_dir=$store" "train.out_dir=$R/heads/$name" \
+    "train.steps=$steps" "train.tokens_per_micro_batch=$TOKENS" train.warmup_steps=30 train.lr=1.5e-3 \
+    "train.save_every=$(( steps / 2 ))" logging.log_every=10 "$@" > "$R/logs/train_$name.log" 2>&1
+}
+log train
+export OMP_NUM_THREADS=4  # three processes share the cores
+train A "$BASE_STEPS" model.variant=rmsnorm-restored train.unroll_steps=3 &
+train B "$STEPS" model.variant=rmsnorm-restored train.unroll_steps=4 &
+train C "$STEPS" model.variant=eagle3 train.unroll_steps=4 &
+wait
+
+validate() {  # head, report name, prompts file, overrides...
+  local head=$1 name=$2 prompts=$3
+  shift 3
+  local report=$R/results/${head}_$name.json
+  [ -f "$report" ] && return
+  python3 -m mtp_train.validate "${common[@]}" "validate.head=$R/heads/$head/head" \
+    "validate.eval_files=[$prompts]" "validate.report=$report" validate.batch_size=80 \
+    "validate.max_new_tokens=$VAL_NEW" "validate.num_prompts=$VAL_PROMPTS" \
+    "validate.chain_lengths=[1,2,3,4,5]" "validate.temperatures=[0.0,1.0]" \
+    "validate.ssd_fan_outs=[1,4,8,16]" "$@" > "$R/logs/validate_${head}_$name.log" 2>&1
+}
+log validate
+for head in A B C; do
+  model=rmsnorm-restored && [ $head = C ] && model=eagle3
+  validate $head mt_bench data/mt_bench.jsonl "model.variant=$model" &
+  validate $head vicuna_bench data/vicuna_bench.jsonl "model.variant=$model" &
+done
+wait
+validate B mt_bench_trees data/mt_bench.jsonl model.variant=rmsnorm-restored \
+  "validate.tree_budgets=[4,16,32,64]" validate.tree_depth=5 "validate.saguaro_factors=[0.5,0.2]"
+log done
