@@ -289,6 +289,10 @@ class ValidateConfig:
     chain with its acceptance and SSD hit rates (e.g. [0.5, 0.2])."""
     saguaro_fan_out: int = 4
     """The draft tokens Saguaro sampling scales (+ the drafted one)."""
+    verify_costs: list[str] = field(default_factory=list)
+    """Measured step costs of target shapes (`benchmarks/results/verify_cost_<shape>.json`, from
+    `benchmarks/bench_verify_cost`): the report then projects the speed-up of every chain and
+    greedy tree per batch size on each shape and names the best (`mtp_train/projection.py`)."""
     batch_size: int = 16
     """Sequences decoded together."""
     cuda_graph: bool = True

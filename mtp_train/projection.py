@@ -10,7 +10,11 @@ target-only decoding emits one token per one-token step, so
     speed-up(k, batch) = τ(k) · T_batch(1) / (T_batch(k + 1) + k · D_batch)
 
 with τ(k) = 1 + Σ_{j ≤ k} Π_{i ≤ j} a_i from the greedy per-position acceptance a_i (conditional
-on the drafts before it, so one measured chain gives τ for every shorter one). The model counts
+on the drafts before it, so one measured chain gives τ for every shorter one). A greedy EAGLE-2 tree
+of N nodes and depth d in the report emits its measured τ for one verify of N + 1 tokens and d
+draft steps (each depth is one draft forward over that depth's nodes, costed as a one-token step:
+small draft forwards are launch-bound); verify costs between the measured token counts are
+interpolated linearly, past the last one extrapolated from the last two. The model counts
 the forwards only: the loop's own work (sampling, acceptance, cache commits) is left out, which is
 why it is checked against a measured wall-clock where one exists (`check`).
 """
@@ -38,24 +42,54 @@ def speedup(rates: list[float], k: int, costs: dict, batch: str) -> float:
     return tau(rates, k) * verify["1"] / step
 
 
+def verify_ms(costs: dict, batch: str, tokens: int) -> float:
+    """The verify cost of `tokens` new tokens per row, interpolated between the measured counts."""
+    points = sorted((int(n), ms) for n, ms in costs["verify_ms"][batch].items())
+    below = [p for p in points if p[0] <= tokens][-1:] or points[:1]
+    above = [p for p in points if p[0] >= tokens][:1] or points[-1:]
+    (n0, t0), (n1, t1) = below[0], above[0]
+    if n0 == n1:  # a measured count, or past the last: extrapolate from the last two
+        if tokens == n0:
+            return t0
+        (n0, t0), (n1, t1) = points[-2], points[-1]
+    return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
+
+
+def tree_speedup(run: dict, costs: dict, batch: str) -> float:
+    """A greedy tree's measured τ against one verify of its nodes + 1 tokens and `depth` draft steps."""
+    step = verify_ms(costs, batch, run["verify_tokens"]) + run["depth"] * costs["draft_step_ms"][batch]
+    return run["mean_accepted_len"] * costs["verify_ms"][batch]["1"] / step
+
+
 def greedy_rates(report: dict) -> list[float]:
-    """The per-position acceptance of the report's longest greedy chain."""
-    runs = report["speculative"]["greedy"]
+    """The per-position acceptance of the report's longest greedy chain (trees aside)."""
+    runs = {n: r for n, r in report["speculative"]["greedy"].items() if r.get("draft", "chain") == "chain"}
     longest = max(runs, key=lambda name: len(runs[name]["accept_rate"]))
     return runs[longest]["accept_rate"]
 
 
 def project(report: dict, costs: dict) -> dict:
-    """Projected speed-up per (batch, k) on `costs`' shape, and the best k per batch."""
+    """Projected speed-up per (batch, chain k or tree) on `costs`' shape, the best chain and the
+    best draft overall per batch."""
     rates = greedy_rates(report)
     measured = next(iter(costs["verify_ms"].values()))  # the new-token counts, alike for every batch
     chains = [k for k in range(1, len(rates) + 1) if str(k + 1) in measured]
+    trees = {n: r for n, r in report["speculative"]["greedy"].items() if r.get("draft") == "tree"}
     table = {b: {k: speedup(rates, k, costs, b) for k in chains} for b in costs["verify_ms"]}
     best = {b: max(row, key=row.get) for b, row in table.items()}
+    drafts = {
+        b: {
+            **{f"k={k}": v for k, v in row.items()},
+            **{n: tree_speedup(r, costs, b) for n, r in trees.items()},
+        }
+        for b, row in table.items()
+    }
+    overall = {b: max(row, key=row.get) for b, row in drafts.items()}
     return {
         "shape": costs["shape"],
-        "speedup": {b: {f"k={k}": round(v, 3) for k, v in row.items()} for b, row in table.items()},
+        "speedup": {b: {name: round(v, 3) for name, v in row.items()} for b, row in drafts.items()},
         "best_k": {b: f"k={k} ({table[b][k]:.2f}×)" for b, k in best.items()},
+        "best": {b: f"{name} ({drafts[b][name]:.2f}×)" for b, name in overall.items()},
     }
 
 
@@ -92,6 +126,8 @@ def main(argv: list[str]) -> None:
             figures["check_against_measured"] = check(report, costs)
         report.setdefault("projected", {})[costs["shape"]] = figures
         print(f"{costs['shape']}: best chain per batch size: {figures['best_k']}")
+        if figures["best"] != figures["best_k"]:
+            print(f"  best draft, trees included: {figures['best']}")
         if figures.get("check_against_measured"):
             print(f"  against the measured loop: {figures['check_against_measured']}")
     Path(args.report).write_text(json.dumps(report, indent=2))

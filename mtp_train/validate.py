@@ -45,6 +45,7 @@ from mtp_train.data import Conversation, Prompt, Sample, encode, load_prompts, l
 from mtp_train.export import load_head
 from mtp_train.heads import MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
+from mtp_train.projection import project
 from mtp_train.run import Run, resolve_run
 from mtp_train.store import dequantize_fp8, quantize_fp8
 from mtp_train.targets import check_same_target
@@ -343,6 +344,15 @@ def holdout_samples(cfg: RunConfig, ev: Evaluator) -> list[Sample]:
 # --- the report ----------------------------------------------------------------------------------
 
 
+def verify_costs(path: str) -> dict:
+    if not Path(path).is_file():
+        raise ConfigError(
+            f"validate.verify_costs: {path} does not exist (measure a shape with python -m "
+            "benchmarks.bench_verify_cost; benchmarks/results/verify_cost_*.json hold the H200's)"
+        )
+    return json.loads(Path(path).read_text())
+
+
 def run_validation(cfg: RunConfig) -> dict:
     checked(cfg)
     vc = cfg.validate
@@ -350,6 +360,7 @@ def run_validation(cfg: RunConfig) -> dict:
         raise ConfigError(
             "validate.eval_files is empty: name the evaluation prompts (e.g. data/mt_bench.jsonl)"
         )
+    shapes = [verify_costs(path) for path in vc.verify_costs]  # before any work: a bad path fails now
     fingerprint = report_fingerprint(cfg)
     previous = Path(vc.report)
     if previous.exists() and json.loads(previous.read_text()).get("fingerprint") == fingerprint:
@@ -395,6 +406,9 @@ def run_validation(cfg: RunConfig) -> dict:
     rounding = store_rounding(cfg, run.device)
     report["teacher_forced"] = teacher_forced(ev, head, samples, rounding, cfg.train.loss_chunk_logits)
     report["teacher_forced"]["text"] = "data.holdout" if held else "target answers to eval_files"
+    for costs in shapes:
+        if "greedy" in report["speculative"]:
+            report.setdefault("projected", {})[costs["shape"]] = project(report, costs)
     if run.leader:  # a tensor-parallel group's ranks hold the same report
         write_report(report, Path(vc.report))
     return report
@@ -657,6 +671,11 @@ def summary(report: dict) -> str:
                 "(on a CPU or a 135M target the loop's overheads dominate: read τ, not this, for serving)"
             )
         lines += equal_budgets(mode, runs)
+    for shape, figures in report.get("projected", {}).items():
+        best = ", ".join(f"batch {b}: {v}" for b, v in figures["best"].items())
+        lines.append(
+            f"projected on the {shape} shape's measured step costs, the best draft per batch: {best}"
+        )
     return "\n".join(lines)
 
 

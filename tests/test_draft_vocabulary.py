@@ -62,6 +62,7 @@ def overrides(target: Path, run: Path, variant: str, *extra: str) -> list[str]:
         "validate.tree_budgets=[4]",
         "validate.tree_depth=2",
         "validate.tree_top_k=2",
+        f"validate.verify_costs=[{REPO / 'benchmarks/results/verify_cost_llama3_8b.json'}]",
         "export.formats=[native]",
         "export.dtype=float32",
         *extra,
@@ -143,3 +144,7 @@ def test_the_report_carries_ssd_hits_saguaro_runs_and_trees(pipeline):
     assert writing["accept_first"] == run["accept_rate"][0]
     text = summary(pipeline["report"])
     assert "SSD: verifies whose outcome" in text and "Saguaro sampling" in text
+    # projected on the 8B shape's measured costs: every greedy chain and the tree, per batch size
+    projected = pipeline["report"]["projected"]["llama3_8b"]
+    assert set(projected["speedup"]["1"]) == {"k=1", "k=2", "tree n=4"}
+    assert "projected on the llama3_8b shape" in text

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from mtp_train.projection import check, project, speedup, tau
+from mtp_train.projection import check, project, speedup, tau, verify_ms
 
 COSTS = {  # a verify costs 10 ms for one token, +1 ms per extra token; a draft step 0.5 ms
     "shape": "made_up",
@@ -43,3 +43,22 @@ def test_check_compares_with_the_report_own_wall_clock():
     out = check(report, COSTS)["k=2"]
     assert math.isclose(out["projected"], 1.75 * 10 / 13) and math.isclose(out["error"], 1.75 * 10 / 13 - 1)
     assert check({**report, "batch_size": 64}, COSTS) is None  # no costs at that batch size
+
+
+def test_trees_are_costed_by_their_verify_tokens_and_depth():
+    costs = {  # measured at 1, 2, 4 and 8 tokens only: 5 is interpolated, 9 extrapolated
+        "shape": "made_up",
+        "verify_ms": {"4": {"1": 10.0, "2": 11.0, "4": 13.0, "8": 21.0}},
+        "draft_step_ms": {"4": 0.5},
+    }
+    assert verify_ms(costs, "4", 4) == 13.0 and verify_ms(costs, "4", 5) == 15.0
+    assert verify_ms(costs, "4", 9) == 23.0
+    tree = {"draft": "tree", "depth": 3, "nodes": 8, "verify_tokens": 9, "mean_accepted_len": 3.5}
+    chain = {"accept_rate": [0.5, 0.5, 0.5]}
+    report = {"speculative": {"greedy": {"k=3": chain, "tree n=8": tree}}}
+    figures = project(report, costs)
+    # τ 3.5 for a verify of 9 tokens (23 ms) and 3 draft steps (1.5 ms), against 10 ms a token
+    assert figures["speedup"]["4"]["tree n=8"] == pytest.approx(round(3.5 * 10 / 24.5, 3))
+    # the chains measured (k = 1: 1.5 × 10 / 11.5; k = 3: 1.875 × 10 / 14.5) stay under 1.31
+    assert figures["best"]["4"].startswith("tree n=8")
+    assert figures["best_k"]["4"].startswith("k=")
