@@ -555,8 +555,18 @@ def plot_acceptance(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = report["speculative"]
-    fig, axes = plt.subplots(2, len(modes), figsize=(5 * len(modes), 8), squeeze=False)
+    modes, projected = report["speculative"], report.get("projected", {})
+    rows = 3 if projected else 2
+    columns = max(len(modes), len(projected))
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 4 * rows), squeeze=False)
+    for ax, (shape, figures) in zip(axes[2] if projected else [], projected.items()):
+        plot_projection(ax, shape, figures)
+    for ax in [
+        *axes[0][len(modes) :],
+        *axes[1][len(modes) :],
+        *(axes[2][len(projected) :] if projected else []),
+    ]:
+        ax.axis("off")
     for ax, budgets, (mode, runs) in zip(axes[0], axes[1], modes.items()):
         for name, run in runs.items():
             if "saguaro" in run:
@@ -580,6 +590,27 @@ def plot_acceptance(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_projection(ax, shape: str, figures: dict) -> None:
+    """Projected speed-up (greedy) against batch size on a target shape, one line per draft."""
+    batches = sorted(figures["speedup"], key=int)
+    for draft in figures["speedup"][batches[0]]:
+        ax.plot(
+            [int(b) for b in batches],
+            [figures["speedup"][b][draft] for b in batches],
+            marker="o",
+            linestyle="--" if draft.startswith("tree") else "-",
+            label=draft,
+        )
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set(
+        title=f"projected speed-up on {shape} (greedy)",
+        xlabel="batch size",
+        ylabel="× target-only decoding",
+    )
+    ax.legend(fontsize=8)
 
 
 def plot_budgets(ax, mode: str, runs: dict) -> None:
