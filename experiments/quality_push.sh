@@ -22,6 +22,7 @@ T=${T:-/root/smol}                  # the target
 CHAT=${CHAT:-/root/dc/chat_prompts.jsonl}
 N=${N:-14000}                       # prompts answered
 NEW=${NEW:-1024}                    # new tokens per turn (regeneration)
+STOP_REPEAT=${STOP_REPEAT:-0}       # regenerate.stop_repeat: stop answers at a repeated N-gram (0: off)
 BATCH=${BATCH:-512}                 # regeneration batch
 STEPS=${STEPS:-1000}                # heads B and C (A: 600, the six-head experiment's)
 BASE_STEPS=${BASE_STEPS:-600}
@@ -43,7 +44,8 @@ store=$R/store
 if [ ! -f "$store/manifest.json" ]; then
   log regenerate
   regen=("regenerate.prompts=[$R/prompts/chat_train.jsonl]" "regenerate.limit=$N"
-         "regenerate.max_new_tokens=$NEW" regenerate.max_prompt_tokens=1024 "regenerate.batch_size=$BATCH")
+         "regenerate.max_new_tokens=$NEW" regenerate.max_prompt_tokens=1024 "regenerate.batch_size=$BATCH"
+         "regenerate.stop_repeat=$STOP_REPEAT")
   start=$(date +%s)
   if python3 -m mtp_train.regenerate "${common[@]}" "${regen[@]}" "${data[@]}" regenerate.capture=true \
       > "$R/logs/regenerate.log" 2>&1; then

@@ -76,6 +76,22 @@ def append_until_done(out: list[int], new: list[int], eos: set[int], max_new_tok
     return False
 
 
+class Loop:
+    """Whether a growing output has just repeated an earlier n-gram of itself."""
+
+    def __init__(self, n: int):
+        self.n, self.seen = n, set()
+
+    def repeats(self, out: list[int]) -> bool:
+        if len(out) < self.n:
+            return False
+        gram = tuple(out[-self.n :])
+        if gram in self.seen:
+            return True
+        self.seen.add(gram)
+        return False
+
+
 class States:
     """The target's states of every token a `generate` call feeds it (pass one as its `states`):
     per row, the prompt's (prefill) and each decoded token's, i.e. all but the last new token, which
@@ -125,10 +141,15 @@ def generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     states: States | None = None,
+    stop_repeat: int = 0,
 ) -> list[list[int]]:
     """New tokens per prompt (up to and including the first EOS), greedy at temperature 0.
-    A `generator` must be on the model's device. `states` keeps the target's states (see `States`)."""
+    A `generator` must be on the model's device. `states` keeps the target's states (see `States`).
+    `stop_repeat` n > 0: a row also stops when its last n new tokens repeat an earlier n-gram of its
+    output (a loop: small targets answer long prompts by repeating themselves), with that n-gram
+    kept once; the row stops where it stands, so `states` stay aligned."""
     eos = set(eos_ids)
+    loops = [Loop(stop_repeat) for _ in prompts] if stop_repeat else None
     capture, room = (states.capture, states.room) if states else ((), 0)
     cache, hidden = prefill(model, prompts, max(len(p) for p in prompts) + max_new_tokens + room, capture)
     token = sample(last_logits(model, hidden, cache.lengths), temperature, generator)
@@ -141,6 +162,8 @@ def generate(
         for b, t in enumerate(token.tolist()):
             if active[b]:
                 active[b] = not append_until_done(outputs[b], [t], eos, max_new_tokens)
+                if active[b] and loops:
+                    active[b] = not loops[b].repeats(outputs[b])
         if not any(active):
             return outputs
         # Every row steps (one batched forward); only active rows commit, so a finished row keeps

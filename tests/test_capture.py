@@ -153,3 +153,26 @@ def test_capture_needs_the_regenerated_file_as_the_data(tiny_target, tmp_path):
     cfg = config(tiny_target, tmp_path, f"data.train_files=[{REPO / 'tests' / 'data' / 'gsm8k_64.jsonl'}]")
     with pytest.raises(ConfigError, match=r"data.train_files=\["):
         StoreCapture(cfg, Target.resolve(cfg.model.target))
+
+
+def test_answers_stop_at_a_loop_and_the_store_still_is_precomputes(chatty_target, tmp_path):
+    """`regenerate.stop_repeat`: an answer stops where its last n tokens repeat an earlier n-gram
+    of it (the chatty target's answers, made of three tokens, loop soon), the states kept for it
+    stop there too, and the store still equals precompute's of the written answers."""
+    from inference_ref.generate import generate
+    from inference_ref.target import load_target
+
+    model = load_target(chatty_target)
+    prompts = [[1, 4093, 198, 260], [1, 4093, 198, 253, 253], [1, 4093]]
+    full = generate(model, prompts, 24, [])
+    cut = generate(model, prompts, 24, [], stop_repeat=3)
+    for f, c in zip(full, cut):
+        assert f[: len(c)] == c  # a prefix of the uncut answer
+        grams = [tuple(c[i : i + 3]) for i in range(len(c) - 2)]
+        assert len(set(grams[:-1])) == len(grams) - 1  # no repeat before the last trigram …
+        assert len(c) == 24 or grams[-1] in grams[:-1]  # … which repeats an earlier one
+
+    cfg = config(chatty_target, tmp_path, "regenerate.stop_repeat=3", "regenerate.max_new_tokens=16")
+    counts, _ = run_regenerate(cfg)
+    assert counts["looped"] > 0 and counts["written"] == len(PROMPTS) - 1
+    assert_same_store(Store(cfg.precompute.store_dir), precomputed(cfg))

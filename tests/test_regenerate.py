@@ -89,9 +89,10 @@ def test_answer_text_drops_the_eos_and_counts_unfinished(smollm2):
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
     hello = tokenizer("Hello!", add_special_tokens=False)["input_ids"]
     counts = Counts()
-    assert answer_text(tokenizer, hello + [2], {2}, counts) == "Hello!"
-    assert answer_text(tokenizer, hello, {2}, counts) == "Hello!"
-    assert (counts.unfinished, counts.new_tokens) == (1, 2 * len(hello) + 1)
+    assert answer_text(tokenizer, hello + [2], {2}, counts, limit=8) == "Hello!"
+    assert answer_text(tokenizer, hello, {2}, counts, limit=len(hello)) == "Hello!"
+    assert answer_text(tokenizer, hello, {2}, counts, limit=8) == "Hello!"  # stopped short: a loop
+    assert (counts.unfinished, counts.new_tokens) == (1, 3 * len(hello) + 1)
 
 
 def test_limit_then_resume_writes_everything_once(tiny_target, prompts_file, tmp_path):
