@@ -102,9 +102,8 @@ class SpecStats:
             self.accepted[j] += sum(a > j for a in n)
         self.steps += len(n)
         self.emitted += sum(n) + len(n)
-        for b, live in enumerate(active):
-            for i in range(len(self.hits) if live and hits else 0):
-                self.hits[i] += hits[b][i]
+        for row in (h for h, live in zip(hits or [], active) if live):
+            self.hits = [total + hit for total, hit in zip(self.hits, row)]
 
 
 @dataclass
@@ -220,8 +219,7 @@ class SpecStep:
         """Advance every active row; returns (kept [B, k+1], n_accepted [B])."""
         if self.cuda_graph is None:
             return self._run(self.clock, static=False)
-        self.cuda_graph.replay()
-        self.hits = self.graph_hits
+        self.cuda_graph.replay()  # refills the captured outputs in place, `self.hits` among them
         return self.kept, self.n_accepted
 
     def _run(self, clock: Clock, static: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,7 +272,6 @@ class SpecStep:
         self.cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.cuda_graph):  # records the step; runs nothing
             self.kept, self.n_accepted = self._run(NO_CLOCK, static=True)
-        self.graph_hits = self.hits
 
     def _restore(self, saved: list[torch.Tensor]) -> None:
         for live, value in zip(

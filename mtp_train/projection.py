@@ -45,13 +45,12 @@ def speedup(rates: list[float], k: int, costs: dict, batch: str) -> float:
 def verify_ms(costs: dict, batch: str, tokens: int) -> float:
     """The verify cost of `tokens` new tokens per row, interpolated between the measured counts."""
     points = sorted((int(n), ms) for n, ms in costs["verify_ms"][batch].items())
-    below = [p for p in points if p[0] <= tokens][-1:] or points[:1]
-    above = [p for p in points if p[0] >= tokens][:1] or points[-1:]
-    (n0, t0), (n1, t1) = below[0], above[0]
-    if n0 == n1:  # a measured count, or past the last: extrapolate from the last two
-        if tokens == n0:
-            return t0
-        (n0, t0), (n1, t1) = points[-2], points[-1]
+    if tokens in dict(points):
+        return dict(points)[tokens]
+    lower = [p for p in points if p[0] < tokens]
+    upper = [p for p in points if p[0] > tokens]
+    # between two measured counts; past the last, the line through the last two
+    (n0, t0), (n1, t1) = (lower[-1], upper[0]) if lower and upper else points[-2:]
     return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
 
 

@@ -93,6 +93,8 @@ def answer_text(tokenizer, new: list[int], eos: set[int], counts: Counts, limit:
         new = new[:-1]
     elif len(new) >= limit:
         counts.unfinished += 1
+    else:  # stopped short of both: at a repeated n-gram (`regenerate.stop_repeat`)
+        counts.looped += 1
     return tokenizer.decode(new, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
@@ -135,7 +137,6 @@ class Answerer:
             self.model, ids, rc.max_new_tokens, eos, rc.temperature, self.generator, states, rc.stop_repeat
         )
         for i, tokens in zip(asking, new):
-            counts.looped += bool(tokens) and tokens[-1] not in self.eos and len(tokens) < rc.max_new_tokens
             content = answer_text(self.tokenizer, tokens, self.eos, counts, rc.max_new_tokens)
             dialogs[i] += prompts[i].turns[turn] + [{"role": "assistant", "content": content}]
         if states:
