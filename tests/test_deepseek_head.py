@@ -34,7 +34,7 @@ from mtp_train.precompute import run_precompute
 from mtp_train.targets import target_identity, write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation
-from tiny import assert_tau_consistent
+from tiny import assert_serves_as_trained
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ["rmsnorm-restored", "eagle1"]
@@ -231,11 +231,8 @@ def test_pipeline_on_a_tiny_deepseek_v2(tiny_deepseek, tmp_path):
     assert sum(loss[-2:]) < sum(loss[:2]) - 0.02, loss  # the target is near uniform: SmoothL1 moves most
 
     report = run_validation(cfg)
-    greedy = report["speculative"]["greedy"]["k=2"]
-    assert greedy["identical_to_target_greedy"] and greedy["identical_answers"] == 1.0
-    assert_tau_consistent(greedy, k=2)
-    tf = report["teacher_forced"]
-    assert tf["parity_gap"]["ce"] < 1e-3 * max(1.0, tf["trainer"]["ce"])
+    assert_serves_as_trained(report, k=2)
+    assert report["speculative"]["greedy"]["k=2"]["identical_answers"] == 1.0
     assert (tmp_path / "validate" / "report.json").exists()
 
     written = export(cfg)

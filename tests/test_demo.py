@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from mtp_train.demo import run_demo
-from tiny import assert_tau_consistent
+from tiny import assert_serves_as_trained
 
 
 def test_demo_pipeline_end_to_end(tmp_path, smollm2, capsys):
@@ -35,13 +35,8 @@ def test_demo_pipeline_end_to_end(tmp_path, smollm2, capsys):
     assert (run / "train" / "head" / "head.safetensors").exists()
     assert (run / "export" / "native" / "config.json").exists()
     assert Path(report["head"]) == run / "train" / "head"
-    greedy = report["speculative"]["greedy"]["k=2"]
-    assert greedy["identical_to_target_greedy"]
-    assert_tau_consistent(greedy, k=2)
-    assert len(greedy["accept_rate"]) == 2
-    tf = report["teacher_forced"]
-    # fp32 on CPU: the training module and the serving draft agree.
-    assert tf["parity_gap"]["ce"] < 1e-3 * max(1.0, tf["trainer"]["ce"])
+    # fp32 on CPU: the target's output, and the training module and the serving draft agree.
+    assert_serves_as_trained(report, k=2)
     assert (run / "validate" / "report.png").exists()
 
     # A rerun resumes every finished stage, validation included, and prints the same summary.

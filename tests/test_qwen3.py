@@ -24,7 +24,7 @@ from mtp_train.precompute import run_precompute
 from mtp_train.targets import write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation
-from tiny import assert_tau_consistent
+from tiny import assert_serves_as_trained
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {
@@ -152,11 +152,7 @@ def test_a_head_trains_validates_and_exports_on_a_qwen3_target(smollm2, tmp_path
     run_precompute(cfg)
     train(cfg)
     report = run_validation(cfg)
-    greedy = report["speculative"]["greedy"]["k=2"]
-    assert greedy["identical_to_target_greedy"]
-    assert_tau_consistent(greedy, k=2)
-    tf = report["teacher_forced"]
-    assert tf["parity_gap"]["ce"] < 1e-3 * max(1.0, tf["trainer"]["ce"])
+    assert_serves_as_trained(report, k=2)
     written = export(cfg)
     config_ = json.loads((written["native"] / "config.json").read_text())
     assert config_["layer_config"]["model_type"] == kind

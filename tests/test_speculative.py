@@ -19,6 +19,7 @@ from inference_ref.draft import MTPDraft, load_draft
 from inference_ref.generate import at_positions, generate
 from inference_ref.models.llama import LlamaModel, load_llama, random_llama
 from inference_ref.speculative import speculative_generate
+from inference_ref.tree import TreeShape
 from mtp_train.head_attention import Segments
 from mtp_train.heads import HeadSpec, MTPHead
 from tiny import tiny_llama
@@ -391,14 +392,15 @@ def test_the_distribution_test_detects_a_wrong_sampler(draft, tmp_path, monkeypa
     assert chi_square_pvalue(out.tokens, probs) < 1e-3
 
 
-def test_sampling_is_reproducible(tmp_path):
+@pytest.mark.parametrize("k", [3, TreeShape(3, 3, 8)], ids=["chain", "tree"])
+def test_sampling_is_reproducible(k, tmp_path):
     target = small_target()
     draft = serve(bigram_head(target, "eagle1"), target, tmp_path)
     prompts = random_prompts(64, (3, 8, 5))
 
     def run(seed: int):
         g = torch.Generator().manual_seed(seed)
-        return speculative_generate(target, draft, prompts, 20, [], 3, 1.0, g).tokens
+        return speculative_generate(target, draft, prompts, 20, [], k, 1.0, g).tokens
 
     assert run(0) == run(0) != run(1)
 

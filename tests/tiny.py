@@ -32,3 +32,14 @@ def assert_tau_consistent(run: dict, k: int) -> None:
         expected += reach
     assert math.isclose(run["mean_accepted_len"], expected, rel_tol=1e-9), (run["mean_accepted_len"], rates)
     assert 1.0 <= run["mean_accepted_len"] <= k + 1
+
+
+def assert_serves_as_trained(report: dict, k: int) -> None:
+    """A validation report of an fp32 CPU run: the greedy chain of k gives the target's own output,
+    its τ matches its acceptance rates, and the training module and the serving draft compute the
+    same teacher-forced CE."""
+    greedy = report["speculative"]["greedy"][f"k={k}"]
+    assert greedy["identical_to_target_greedy"]
+    assert_tau_consistent(greedy, k=k)
+    tf = report["teacher_forced"]
+    assert tf["parity_gap"]["ce"] < 1e-3 * max(1.0, tf["trainer"]["ce"])
