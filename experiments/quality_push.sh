@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # #22's levers on SmolLM2-135M-Instruct, one GPU, each stage through the project's entry points:
-#   data  the target answers N shared chat prompts at full length (1,024 new tokens per turn, every
-#         turn; the six-head experiment stopped at 256), the store written from the generation's own
-#         states (regenerate.capture; precompute as the fallback), with EAGLE-3's aux states;
-#   heads A  restored, unroll 3, 600 steps        the six-head experiment's best row, new data only
-#         B  restored, unroll 4, 1,000 steps      + deeper training-time test, longer training
-#         C  eagle3,   unroll 4, 1,000 steps      EAGLE-3's features with the same
-#         all 32k-token micro-batches, warm-up 30, lr 1.5e-3 (chosen for restored and restored +
-#         unroll 3 on the set-aside prompts in the six-head experiment; not re-swept here);
-#   validation  MT-bench and vicuna-bench, both turns, 256 new tokens, batch 80, k = 1 … 5, greedy
-#         and T = 1, per category, SSD hit rates (F = 1, 4, 8, 16); head B also with EAGLE-2 trees
-#         of 4/16/32/64 nodes (depth 5) and Saguaro sampling (c = 0.5, 0.2).
+#   data  the target answers the shared chat prompts (N of them; the six-head experiment's 100
+#         set-aside prompts kept out) and, with GSM8K=path, the GSM8K questions, up to NEW new
+#         tokens per turn, every turn, greedy; the store written from the generation's own states
+#         (regenerate.capture; precompute as the fallback), with EAGLE-3's aux states (AUX=true);
+#   heads one line of HEADS each: "name steps overrides...", trained side by side on the one GPU
+#         (a 135M target's head leaves most of an H200 idle), all with 32k-token micro-batches,
+#         warm-up 30, lr 1.5e-3 (chosen on the set-aside prompts in the six-head experiment);
+#         the default lines are the previous session's A / B / C;
+#   validation  MT-bench and vicuna-bench, both turns, VAL_NEW new tokens, batch 80, k = 1 … 5,
+#         TEMPS, per category, SSD hit rates (F = 1, 4, 8, 16); with TREES=head also EAGLE-2 trees
+#         of 4/16/32/64 nodes (depth 5) and Saguaro sampling (c = 0.5, 0.2) for that head.
 # After experiments/gpu_machine.sh's set-up (/root/smol converted, prompts under /root/dc, wheels
 # under /root/site). Every stage resumes.
 #   (setsid nohup bash experiments/quality_push.sh > /root/push.log 2>&1 &)   # /root/push.done at the end
@@ -20,12 +20,17 @@ export PYTHONPATH=${SITE:-/root/site}:$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELI
 R=${R:-/root/push}                  # run directory
 T=${T:-/root/smol}                  # the target
 CHAT=${CHAT:-/root/dc/chat_prompts.jsonl}
-N=${N:-14000}                       # prompts answered
+N=${N:-14000}                       # chat prompts answered (null: all)
+GSM8K=${GSM8K:-}                    # also answer these GSM8K questions (empty: none)
+AUX=${AUX:-true}                    # store EAGLE-3's aux states (needed by eagle3 heads only)
+TEMPS=${TEMPS:-[0.0,1.0]}
+TREES=${TREES-B}                    # the head also validated with trees and Saguaro (empty: none)
+HEADS=${HEADS:-"A 600 model.variant=rmsnorm-restored train.unroll_steps=3
+B 1000 model.variant=rmsnorm-restored train.unroll_steps=4
+C 1000 model.variant=eagle3 train.unroll_steps=4"}
 NEW=${NEW:-1024}                    # new tokens per turn (regeneration)
 STOP_REPEAT=${STOP_REPEAT:-0}       # regenerate.stop_repeat: stop answers at a repeated N-gram (0: off)
 BATCH=${BATCH:-512}                 # regeneration batch
-STEPS=${STEPS:-1000}                # heads B and C (A: 600, the six-head experiment's)
-BASE_STEPS=${BASE_STEPS:-600}
 TOKENS=${TOKENS:-32768}             # per micro-batch
 VAL_NEW=${VAL_NEW:-256}
 VAL_PROMPTS=${VAL_PROMPTS:-null}    # null: all 80
@@ -38,12 +43,14 @@ python3 -c "
 from pathlib import Path
 from experiments.quality_smollm2 import Plan, split_prompts
 split_prompts(Path('$CHAT'), Path('$R'), Plan())"
+prompts=$R/prompts/chat_train.jsonl
+[ -n "$GSM8K" ] && prompts="$prompts,$GSM8K"
 
-data=("data.train_files=[$R/regenerated.jsonl]" data.max_seq_len=2048 precompute.aux=true)
+data=("data.train_files=[$R/regenerated.jsonl]" data.max_seq_len=2048 "precompute.aux=$AUX")
 store=$R/store
 if [ ! -f "$store/manifest.json" ]; then
   log regenerate
-  regen=("regenerate.prompts=[$R/prompts/chat_train.jsonl]" "regenerate.limit=$N"
+  regen=("regenerate.prompts=[$prompts]" "regenerate.limit=$N"
          "regenerate.max_new_tokens=$NEW" regenerate.max_prompt_tokens=1024 "regenerate.batch_size=$BATCH"
          "regenerate.stop_repeat=$STOP_REPEAT")
   start=$(date +%s)
@@ -70,10 +77,11 @@ train() {  # name, steps, overrides...
     "train.save_every=$(( steps / 2 ))" logging.log_every=10 "$@" > "$R/logs/train_$name.log" 2>&1
 }
 log train
-export OMP_NUM_THREADS=4  # three processes share the cores
-train A "$BASE_STEPS" model.variant=rmsnorm-restored train.unroll_steps=3 &
-train B "$STEPS" model.variant=rmsnorm-restored train.unroll_steps=4 &
-train C "$STEPS" model.variant=eagle3 train.unroll_steps=4 &
+export OMP_NUM_THREADS=4  # the heads share the cores
+while read -r name steps overrides; do
+  # shellcheck disable=SC2086  # the overrides are words
+  train "$name" "$steps" $overrides &
+done <<< "$HEADS"
 wait
 
 validate() {  # head, report name, prompts file, overrides...
@@ -84,16 +92,16 @@ validate() {  # head, report name, prompts file, overrides...
   python3 -m mtp_train.validate "${common[@]}" "validate.head=$R/heads/$head/head" \
     "validate.eval_files=[$prompts]" "validate.report=$report" validate.batch_size=80 \
     "validate.max_new_tokens=$VAL_NEW" "validate.num_prompts=$VAL_PROMPTS" \
-    "validate.chain_lengths=[1,2,3,4,5]" "validate.temperatures=[0.0,1.0]" \
+    "validate.chain_lengths=[1,2,3,4,5]" "validate.temperatures=$TEMPS" \
     "validate.ssd_fan_outs=[1,4,8,16]" "$@" > "$R/logs/validate_${head}_$name.log" 2>&1
 }
 log validate
-for head in A B C; do
-  model=rmsnorm-restored && [ $head = C ] && model=eagle3
-  validate $head mt_bench data/mt_bench.jsonl "model.variant=$model" &
-  validate $head vicuna_bench data/vicuna_bench.jsonl "model.variant=$model" &
-done
+while read -r name steps overrides; do
+  variant=$(tr ' ' '\n' <<< "$overrides" | grep '^model.variant=' || true)
+  validate "$name" mt_bench data/mt_bench.jsonl $variant &
+  validate "$name" vicuna_bench data/vicuna_bench.jsonl $variant &
+done <<< "$HEADS"
 wait
-validate B mt_bench_trees data/mt_bench.jsonl model.variant=rmsnorm-restored \
+[ -z "$TREES" ] || validate "$TREES" mt_bench_trees data/mt_bench.jsonl model.variant=rmsnorm-restored \
   "validate.tree_budgets=[4,16,32,64]" validate.tree_depth=5 "validate.saguaro_factors=[0.5,0.2]"
 log done
