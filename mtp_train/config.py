@@ -74,8 +74,8 @@ class ModelConfig:
     regeneration and validation alike. Embeddings, lm_head and routers keep the model's dtype."""
     tp_size: int = 1
     """Tensor-parallel ranks the target is sharded over (`inference_ref.tensor_parallel`; Llama-layer
-    kinds). Under `accelerate launch` with N processes, N / tp_size groups split precompute's data;
-    regeneration and validation run one group (N = tp_size). Set it where the weights do not fit one
+    kinds). Under `accelerate launch` with N processes, N / tp_size groups split precompute's and
+    regeneration's data; validation runs one group (N = tp_size). Set it where the weights do not fit one
     GPU: a 70B target in bf16 needs tp_size ≥ 2 on 80 GB GPUs."""
     init_from_target_mtp: bool = False
     """Start the head from the MTP layer the target checkpoint ships (DeepSeek-V3/R1:

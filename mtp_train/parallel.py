@@ -6,7 +6,8 @@ outputs, the others run the same forwards in step with it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,9 +33,46 @@ class Ranks:
         """The first rank of all: prints and merges."""
         return self.leader and self.dp_rank == 0
 
+    @property
+    def world(self) -> int:
+        return self.dp_size * self.tp_size
+
     def broadcast(self, obj):
         """`obj` from the group's leader, on every rank of the group."""
         return from_leader(obj, self.tp_mesh)
+
+    def from_main(self, read):
+        """`read()` called on the main rank alone and its result given to every rank: what all
+        groups must agree on before they split work (e.g. what an earlier run already wrote)."""
+        if self.world == 1:
+            return read()
+        box = [read() if self.main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def sum_over_groups(self, counts, fields: tuple[str, ...]):
+        """`counts` (a dataclass) with `fields` summed over the data-parallel groups (one leader
+        each: the ranks of a group count the same work); the other fields are this rank's."""
+        if self.dp_size == 1:
+            return counts
+        every = [None] * self.world
+        dist.all_gather_object(every, asdict(counts) if self.leader else None)
+        leaders = [c for c in every if c is not None]
+        return type(counts)(**{**asdict(counts), **{f: sum(c[f] for c in leaders) for f in fields}})
+
+
+def one_process(device) -> Ranks:
+    """The place of a process that was launched alone."""
+    return Ranks(0, 1, 0, 1, torch.device(device))
+
+
+def launched_processes() -> int:
+    """How many processes the launcher (torchrun, `accelerate launch`) started; 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def from_leader(obj, tp_mesh):

@@ -16,7 +16,7 @@ import torch
 
 from inference_ref.head_spec import HEAD_KINDS, HeadSpec, default_aux_layers
 from inference_ref.target import TargetConfig, read_target_config
-from mtp_train.parallel import launched_ranks, one_group
+from mtp_train.parallel import Ranks, launched_processes, launched_ranks, one_group
 from mtp_train.targets import default_device, model_dtype, resolve_target, target_identity
 
 
@@ -46,6 +46,8 @@ class Run:
     """`model.quantization`: how the target's linear maps run."""
     tp_mesh: object | None = None
     """The tensor-parallel group's DeviceMesh (`model.tp_size` > 1): the target is sharded over it."""
+    ranks: Ranks | None = None
+    """This process's place among the launched ones (None: launched alone)."""
 
     @property
     def leader(self) -> bool:
@@ -54,19 +56,27 @@ class Run:
 
 
 def resolve_run(
-    model, dtype: str | None = None, device: torch.device | None = None, sharded_as: str | None = None
+    model,
+    dtype: str | None = None,
+    device: torch.device | None = None,
+    sharded_as: str | None = None,
+    data_parallel: bool = False,
 ) -> Run:
     """The run of `model` (the `model` config group) on `device` (default: CUDA if present) in
     `dtype` (a dtype name; default: `model.dtype`). `sharded_as`: the entry point (e.g.
-    "mtp_train.validate") of a stage that runs the whole target, which then runs as one
-    tensor-parallel group of `model.tp_size` launched processes, each on its own device."""
-    mesh = None
-    if sharded_as and model.tp_size > 1:
-        ranks = one_group(launched_ranks(model.tp_size, sharded_as), sharded_as)
-        device, mesh = ranks.device, ranks.tp_mesh
+    "mtp_train.validate") of a stage that runs the whole target: launched as several processes, it
+    runs as tensor-parallel groups of `model.tp_size` processes, each on its own device, and as one
+    such group unless the stage splits its work over groups (`data_parallel`)."""
+    ranks = None
+    if sharded_as and (model.tp_size > 1 or launched_processes() > 1):
+        ranks = launched_ranks(model.tp_size, sharded_as)
+        if not data_parallel:
+            one_group(ranks, sharded_as)
+        device = ranks.device
     device = device or default_device()
     dtype = model_dtype(dtype or model.dtype, device)
-    return Run(Target.resolve(model.target), device, dtype, model.quantization, mesh)
+    mesh = ranks.tp_mesh if ranks else None
+    return Run(Target.resolve(model.target), device, dtype, model.quantization, mesh, ranks)
 
 
 # EAGLE-3's draft vocabulary where none is configured, for targets of ≥ 100k tokens (Llama 3's 128k):

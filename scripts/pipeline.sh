@@ -6,14 +6,14 @@ set -euo pipefail
 model=$1; target=$2; prompts=$3; accel=${4:-launch/accelerate/zero2_8gpu.yaml}; shift $(( $# < 4 ? $# : 4 ))
 common=(model="$model" model.target="$target" "$@")
 run=outputs/$model
-# TP_SIZE: the recipe's model.tp_size. The stages that run the whole target then run it sharded,
-# as one group of that many processes (precompute: 8 / TP_SIZE groups under accelerate launch).
+# TP_SIZE: the recipe's model.tp_size. The stages that run the whole target then run it sharded:
+# regenerate and precompute as 8 / TP_SIZE groups under accelerate launch, validate as one group.
 tp=${TP_SIZE:-1}
 whole=(python)
 (( tp > 1 )) && whole=(torchrun --standalone --nproc_per_node "$tp")
 
-# 1. self-distillation: the target answers the prompts (resumable)
-"${whole[@]}" -m mtp_train.regenerate "${common[@]}" regenerate.prompts="[$prompts]"
+# 1. self-distillation: the target answers the prompts, each group a share (resumable)
+accelerate launch --config_file "$accel" -m mtp_train.regenerate "${common[@]}" regenerate.prompts="[$prompts]"
 # 2. hidden states of the regenerated conversations, each GPU writing its own shards (resumable)
 accelerate launch --config_file "$accel" -m mtp_train.precompute "${common[@]}" \
   data.train_files="[$run/regenerated.jsonl]" data.holdout=256

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -16,6 +18,7 @@ from mtp_train.config import DataConfig, RegenerateConfig
 from mtp_train.data import load_samples, prompt_ids
 from mtp_train.regenerate import Counts, answer_text, regenerate
 
+REPO = Path(__file__).resolve().parents[1]
 SYSTEM = {"role": "system", "content": "Be brief."}
 PROMPTS = [
     {"question_id": 81, "turns": ["Name a fruit.", "And a vegetable?"]},
@@ -170,3 +173,96 @@ def test_compile_option_reaches_the_target_and_is_ignored_on_cpu(
     regenerate(config(prompts_file, tmp_path, limit=1, compile=True), tiny_target)
     regenerate(config(prompts_file, tmp_path / "off", limit=1), tiny_target)
     assert asked == [True, False]
+
+
+def test_parts_left_by_a_killed_run_are_kept_and_merged_once(tiny_target, prompts_file, tmp_path):
+    """A run of several groups killed before its merge left part files (one with a torn line): a
+    rerun skips their ids, answers the rest, and moves them into the output once."""
+    cfg = config(prompts_file, tmp_path)
+    regenerate(cfg, tiny_target)
+    reference = read(cfg.output)
+    out = Path(cfg.output)
+    out.write_text("".join(json.dumps(r) + "\n" for r in reference[:1]))
+    (tmp_path / "out/regen.jsonl.part0").write_text(
+        json.dumps(reference[0]) + "\n" + json.dumps(reference[1]) + "\n"
+    )
+    (tmp_path / "out/regen.jsonl.part1").write_text(json.dumps(reference[2]) + '\n{"id": "torn", "mess')
+    counts = regenerate(cfg, tiny_target)
+    assert (counts["already_done"], counts["written"]) == (3, 2)
+    assert not list(out.parent.glob("*.part*"))
+    records = read(out)
+    # the output's record, this run's answers (one group writes to the output itself), then the
+    # parts' records in part order
+    assert records[0] == reference[0] and records[-2:] == reference[1:3]
+    assert sorted(map(json.dumps, records)) == sorted(map(json.dumps, reference))
+
+
+@pytest.mark.parametrize("processes, tp", [(2, 1), (4, 2)])
+def test_groups_split_the_prompts_and_write_what_one_process_writes(
+    processes, tp, tiny_target, prompts_file, tmp_path
+):
+    """Launched as 2 processes (two groups) or 4 with model.tp_size=2 (two groups of two sharded
+    ranks), the groups deal the prompts between them and the output is one process's, line for
+    line; no part file is left."""
+    common = [
+        "model=tiny_random",
+        f"model.target={tiny_target}",
+        "model.dtype=float32",
+        f"run_dir={tmp_path}",
+        f"regenerate.prompts=[{prompts_file}]",
+        "regenerate.max_new_tokens=3",
+        "regenerate.max_prompt_tokens=128",
+        "regenerate.batch_size=2",
+    ]
+    one, many = tmp_path / "one.jsonl", tmp_path / "many.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = dict(cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-m", "mtp_train.regenerate", *common, f"regenerate.output={one}"], **run
+    )
+    assert out.returncode == 0, out.stderr
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+    ]
+    launched = [
+        *torchrun,
+        "-m",
+        "mtp_train.regenerate",
+        *common,
+        f"regenerate.output={many}",
+        f"model.tp_size={tp}",
+    ]
+    out = subprocess.run(launched, **run)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert many.read_text() == one.read_text() and len(read(many)) == 5
+    assert not list(tmp_path.glob("many.jsonl.part*"))
+    assert "'written': 5" in out.stdout  # the groups' counts summed
+
+
+def test_capture_refuses_several_processes(tiny_target, prompts_file, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "regen.jsonl"
+    args = [
+        "model=tiny_random",
+        f"model.target={tiny_target}",
+        f"run_dir={tmp_path}",
+        f"regenerate.prompts=[{prompts_file}]",
+        f"regenerate.output={out}",
+        f"data.train_files=[{out}]",
+        "regenerate.capture=true",
+    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*torchrun, "-m", "mtp_train.regenerate", *args], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    assert (
+        "regenerate.capture writes the store from one process, 2 were launched"
+        in result.stdout + result.stderr
+    )
+    assert not out.exists()
