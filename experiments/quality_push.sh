@@ -6,8 +6,10 @@
 #         (regenerate.capture; precompute as the fallback), with EAGLE-3's aux states (AUX=true);
 #   heads one line of HEADS each: "name steps overrides...", trained side by side on the one GPU
 #         (a 135M target's head leaves most of an H200 idle), all with 32k-token micro-batches,
-#         warm-up 30, lr 1.5e-3 (chosen on the set-aside prompts in the six-head experiment);
-#         the default lines are the previous session's A / B / C;
+#         warm-up 30, lr LR (1.5e-3: chosen on the set-aside prompts in the six-head experiment)
+#         unless the line sets train.lr; each head is validated at its last step on the 100
+#         set-aside prompts (τ at k = 4, greedy), the figure by which an lr is chosen, never
+#         MT-bench: selection.json lists them; the default lines are the first run's A / B / C;
 #   validation  MT-bench and vicuna-bench, both turns, VAL_NEW new tokens, batch 80, k = 1 … 5,
 #         TEMPS, per category, SSD hit rates (F = 1, 4, 8, 16); with TREES=head also EAGLE-2 trees
 #         of 4/16/32/64 nodes (depth 5) and Saguaro sampling (c = 0.5, 0.2) for that head.
@@ -32,8 +34,10 @@ NEW=${NEW:-1024}                    # new tokens per turn (regeneration)
 STOP_REPEAT=${STOP_REPEAT:-0}       # regenerate.stop_repeat: stop answers at a repeated N-gram (0: off)
 BATCH=${BATCH:-512}                 # regeneration batch
 TOKENS=${TOKENS:-32768}             # per micro-batch
+LR=${LR:-1.5e-3}                    # where a HEADS line does not set train.lr
 VAL_NEW=${VAL_NEW:-256}
 VAL_PROMPTS=${VAL_PROMPTS:-null}    # null: all 80
+SEL_PROMPTS=${SEL_PROMPTS:-100}     # set-aside prompts validated at the end of training
 mkdir -p "$R/logs"
 common=(model=smollm2_135m "model.target=$T" "run_dir=$R")
 log() { echo "[$(date +%T)] $*"; }
@@ -69,12 +73,16 @@ fi
 [ -f "$R/store_precomputed/manifest.json" ] && store=$R/store_precomputed
 
 train() {  # name, steps, overrides...
-  local name=$1 steps=$2
+  local name=$1 steps=$2 lr=()
   shift 2
   [ -f "$R/heads/$name/train_summary.json" ] && return
+  [[ " $* " == *" train.lr="* ]] || lr=("train.lr=$LR")
   python3 -m mtp_train.train "${common[@]}" "train.store_dir=$store" "train.out_dir=$R/heads/$name" \
-    "train.steps=$steps" "train.tokens_per_micro_batch=$TOKENS" train.warmup_steps=30 train.lr=1.5e-3 \
-    "train.save_every=$(( steps / 2 ))" logging.log_every=10 "$@" > "$R/logs/train_$name.log" 2>&1
+    "train.steps=$steps" "train.tokens_per_micro_batch=$TOKENS" train.warmup_steps=30 "${lr[@]}" \
+    "train.save_every=$(( steps / 2 ))" logging.log_every=10 "train.spec_validate_at=[$steps]" \
+    "validate.eval_files=[$R/prompts/selection.jsonl]" "validate.num_prompts=$SEL_PROMPTS" validate.batch_size=100 \
+    "validate.max_new_tokens=$VAL_NEW" "validate.chain_lengths=[4]" validate.teacher_forced_samples=64 \
+    "$@" > "$R/logs/train_$name.log" 2>&1
 }
 log train
 export OMP_NUM_THREADS=4  # the heads share the cores
@@ -83,6 +91,14 @@ while read -r name steps overrides; do
   train "$name" "$steps" $overrides &
 done <<< "$HEADS"
 wait
+python3 -c "
+import json, pathlib
+from experiments.quality_smollm2 import last_validation
+heads = sorted(pathlib.Path('$R/heads').glob('*/metrics.jsonl'))
+rows = {m.parent.name: last_validation(m) for m in heads if 'val/tau_k4' in m.read_text()}
+pathlib.Path('$R/selection.json').write_text(json.dumps(rows, indent=1))
+for name, row in rows.items():
+    print(f'{name}: set-aside τ k=4 {row[\"val/tau_k4\"]:.3f}, acc@1 {row[\"val/accept_k4_pos1\"]:.3f}')"
 
 validate() {  # head, report name, prompts file, overrides...
   local head=$1 name=$2 prompts=$3
