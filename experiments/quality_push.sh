@@ -7,9 +7,11 @@
 #   heads one line of HEADS each: "name steps overrides...", trained side by side on the one GPU
 #         (a 135M target's head leaves most of an H200 idle), all with 32k-token micro-batches,
 #         warm-up 30, lr LR (1.5e-3: chosen on the set-aside prompts in the six-head experiment)
-#         unless the line sets train.lr; each head is validated at its last step on the 100
-#         set-aside prompts (τ at k = 4, greedy), the figure by which an lr is chosen, never
-#         MT-bench: selection.json lists them; the default lines are the first run's A / B / C;
+#         unless the line sets train.lr; each head's teacher-forced CE on the 100 set-aside
+#         prompts' answers is logged six times (does it still fall?), and at its last step it is
+#         validated on them through the loop (τ at k = 4, greedy), the figure by which an lr is
+#         chosen, never MT-bench: selection.json lists them; the default lines are the first
+#         run's A / B / C;
 #   validation  MT-bench and vicuna-bench, both turns, VAL_NEW new tokens, batch 80, k = 1 … 5,
 #         TEMPS, per category, SSD hit rates (F = 1, 4, 8, 16); with TREES=head also EAGLE-2 trees
 #         of 4/16/32/64 nodes (depth 5) and Saguaro sampling (c = 0.5, 0.2) for that head.
@@ -79,7 +81,8 @@ train() {  # name, steps, overrides...
   [[ " $* " == *" train.lr="* ]] || lr=("train.lr=$LR")
   python3 -m mtp_train.train "${common[@]}" "train.store_dir=$store" "train.out_dir=$R/heads/$name" \
     "train.steps=$steps" "train.tokens_per_micro_batch=$TOKENS" train.warmup_steps=30 "${lr[@]}" \
-    "train.save_every=$(( steps / 2 ))" logging.log_every=10 "train.spec_validate_at=[$steps]" \
+    "train.save_every=$(( steps / 2 ))" logging.log_every=10 "train.validate_every=$(( steps / 6 ))" \
+    "train.spec_validate_at=[$steps]" \
     "validate.eval_files=[$R/prompts/selection.jsonl]" "validate.num_prompts=$SEL_PROMPTS" validate.batch_size=100 \
     "validate.max_new_tokens=$VAL_NEW" "validate.chain_lengths=[4]" validate.teacher_forced_samples=64 \
     "$@" > "$R/logs/train_$name.log" 2>&1
