@@ -44,10 +44,13 @@ class Run:
     """Compute dtype of the target (and of validation's head)."""
     quantization: str = "none"
     """`model.quantization`: how the target's linear maps run."""
-    tp_mesh: object | None = None
-    """The tensor-parallel group's DeviceMesh (`model.tp_size` > 1): the target is sharded over it."""
     ranks: Ranks | None = None
     """This process's place among the launched ones (None: launched alone)."""
+
+    @property
+    def tp_mesh(self):
+        """The tensor-parallel group's DeviceMesh (`model.tp_size` > 1): the target is sharded over it."""
+        return self.ranks.tp_mesh if self.ranks else None
 
     @property
     def leader(self) -> bool:
@@ -75,8 +78,7 @@ def resolve_run(
         device = ranks.device
     device = device or default_device()
     dtype = model_dtype(dtype or model.dtype, device)
-    mesh = ranks.tp_mesh if ranks else None
-    return Run(Target.resolve(model.target), device, dtype, model.quantization, mesh, ranks)
+    return Run(Target.resolve(model.target), device, dtype, model.quantization, ranks)
 
 
 # EAGLE-3's draft vocabulary where none is configured, for targets of ≥ 100k tokens (Llama 3's 128k):
