@@ -7,7 +7,8 @@ N=null GSM8K=/root/dc/gsm8k_train.jsonl NEW=256 BATCH=1024 AUX=false TEMPS='[0.0
 HEADS="D 1500 model.variant=rmsnorm-restored train.unroll_steps=3
 E 1500 model.variant=rmsnorm-restored train.unroll_steps=3 model.draft_vocab_size=16384
 F 1500 model.variant=rmsnorm-restored train.unroll_steps=5" bash experiments/quality_push.sh
-#    F (unroll 5) was stopped after 70 steps for device time; G (E's config, 2,400 steps) and
+#    F's line is inferred (a deeper unroll, 4 or 5, by its loss scale; its exact overrides were not
+#    kept). F was stopped after 70 steps for device time; G (E's config, 2,400 steps) and
 #    H (E's config, 2,000 steps) were started and stopped early for the same reason (logs kept).
 # 2. head I alone on the same store (2,000 steps), validated at k = 1, 4, 5 with 8 teacher-forced answers:
 python3 -m mtp_train.train model=smollm2_135m model.target=/root/smol run_dir=/root/push \
