@@ -42,17 +42,11 @@ from inference_ref.head_spec import (
 from inference_ref.target import TargetConfig, frozen_target_tensors
 from mtp_train.cli import one_line_errors
 from mtp_train.config import checked  # also registers the schema Hydra composes
-from mtp_train.engine_layouts import (
-    EAGLE3_BLOCK,
-    LAYOUTS,
-    LayoutUnsupported,
-    Symbolic,
-    check_layout,
-    resolve,
-)
 from mtp_train.heads import MTPHead, build
 from mtp_train.heads.kinds import LAYER_KINDS
+from mtp_train.layer_names import EAGLE3_BLOCK, Symbolic, check_layout, resolve
 from mtp_train.run import Target
+from mtp_train.serving.layouts import LAYOUTS, LayoutUnsupported
 from mtp_train.targets import check_same_target
 
 ENGINE_WEIGHTS = "model.safetensors"  # engines read every *.safetensors of the draft directory

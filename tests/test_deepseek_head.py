@@ -25,12 +25,13 @@ from inference_ref.models.deepseek_v2 import DeepseekV2Config, DeepseekV2Model
 from inference_ref.speculative import speculative_generate
 from inference_ref.target import frozen_target_tensors, load_target, read_target_config
 from mtp_train.batching import collate
-from mtp_train.engine_layouts import check_layout, deepseek_is_moe, deepseek_mtp_table
 from mtp_train.export import export
 from mtp_train.head_attention import Segments
 from mtp_train.heads import MTPHead
+from mtp_train.layer_names import check_layout
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.precompute import run_precompute
+from mtp_train.serving.layouts import deepseek_is_moe, deepseek_mtp_table
 from mtp_train.targets import target_identity, write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation

@@ -19,11 +19,11 @@ from inference_ref.head_spec import HeadSpec
 from inference_ref.models import KINDS
 from inference_ref.models.deepseek_v3 import DeepseekV3Config
 from inference_ref.target import frozen_target_tensors, load_target, read_target_config
-from mtp_train.engine_layouts import to_deepseek_mtp
 from mtp_train.export import export, head_tensors
 from mtp_train.heads import MTPHead
 from mtp_train.precompute import run_precompute
 from mtp_train.run import Target
+from mtp_train.serving.layouts import to_deepseek_mtp
 from mtp_train.targets import write_random_target
 from mtp_train.train import build_head, train
 from mtp_train.validate import run_validation

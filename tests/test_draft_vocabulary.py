@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 from inference_ref.draft import load_draft
 from inference_ref.head_spec import HeadSpec, draft_ids
 from inference_ref.target import load_target
-from mtp_train.engine_layouts import LayoutUnsupported
 from mtp_train.export import export, load_head
 from mtp_train.precompute import run_precompute
 from mtp_train.run import Target
+from mtp_train.serving.layouts import LayoutUnsupported
 from mtp_train.store import Store
 from mtp_train.train import train
 from mtp_train.validate import run_validation, summary

@@ -19,14 +19,14 @@ from inference_ref.draft import load_draft
 from inference_ref.generate import prefill
 from inference_ref.head_spec import HeadSpec, default_aux_layers
 from inference_ref.target import load_target
-from mtp_train.engine_layouts import (
+from mtp_train.export import export
+from mtp_train.precompute import run_precompute
+from mtp_train.serving.layouts import (
     LayoutUnsupported,
     deepseek_mtp_export,
     eagle1_export,
     eagle3_export,
 )
-from mtp_train.export import export
-from mtp_train.precompute import run_precompute
 from mtp_train.targets import write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation

@@ -19,19 +19,16 @@ import mtp_train.export as ex
 from inference_ref.models.llama import LlamaConfig, read_config
 from inference_ref.target import frozen_target_tensors
 from mtp_train.config import RunConfig
-from mtp_train.engine_layouts import (
+from mtp_train.head_attention import Segments
+from mtp_train.heads import HeadSpec, MTPHead
+from mtp_train.layer_names import check_layout, deepseek_dims, llama_dims, resolve
+from mtp_train.serving.layouts import (
     EAGLE1_SGLANG,
     LayoutUnsupported,
-    check_layout,
-    deepseek_dims,
     deepseek_layer_symbolic,
     deepseek_mtp_export,
     eagle1_export,
-    llama_dims,
-    resolve,
 )
-from mtp_train.head_attention import Segments
-from mtp_train.heads import HeadSpec, MTPHead
 from mtp_train.targets import target_identity, write_random_target
 
 REPO = Path(__file__).resolve().parents[1]

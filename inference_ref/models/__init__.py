@@ -3,7 +3,7 @@
 Each kind is one module (or small package) under `inference_ref/models/` and one entry in `KINDS`:
 its config class, model class, weight loader, random weights, the tiny debug shape, and how a draft
 head builds a layer of its kind. Outside it, a kind appears only where a format belongs to one kind:
-GGUF files (Llama), the engine layouts (`mtp_train/engine_layouts.py`), the EAGLE-3 head (Llama
+GGUF files (Llama), the engine layouts (`mtp_train/serving/layouts.py`), the EAGLE-3 head (Llama
 layers), and the training head's layer table (`mtp_train/heads/kinds.py`).
 Adding a kind: docs/design.md, "Adding a target kind".
 """

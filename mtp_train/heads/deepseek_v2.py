@@ -12,15 +12,15 @@ from torch import nn
 from inference_ref.causal_lm import RMSNorm
 from inference_ref.loading import read_tensors, safetensors_files
 from inference_ref.models import deepseek_v2 as ds
-from mtp_train.engine_layouts import (
+from mtp_train.head_attention import Segments, head_attention
+from mtp_train.heads.llama import HeadMLP
+from mtp_train.layer_names import (
     DEEPSEEK_RENAME,
     Symbolic,
     deepseek_dense_block,
     deepseek_dims,
     deepseek_moe_block,
 )
-from mtp_train.head_attention import Segments, head_attention
-from mtp_train.heads.llama import HeadMLP
 
 
 class LatentHeadAttention(nn.Module):

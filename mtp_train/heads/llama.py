@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_ref.models.llama import LlamaConfig, Rotary, apply_rotary
-from mtp_train.engine_layouts import LLAMA_BLOCK, Symbolic, llama_dims
 from mtp_train.head_attention import Segments, head_attention
+from mtp_train.layer_names import LLAMA_BLOCK, Symbolic, llama_dims
 
 
 class HeadAttention(nn.Module):

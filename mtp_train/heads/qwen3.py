@@ -6,9 +6,9 @@ from __future__ import annotations
 from inference_ref.causal_lm import RMSNorm
 from inference_ref.models.llama import apply_rotary
 from inference_ref.models.qwen3 import Qwen3Config
-from mtp_train.engine_layouts import LLAMA_BLOCK, Symbolic, llama_dims
 from mtp_train.head_attention import Segments, head_attention
 from mtp_train.heads.llama import HeadAttention
+from mtp_train.layer_names import LLAMA_BLOCK, Symbolic, llama_dims
 
 QK_NORMS: Symbolic = {"self_attn.q_norm.weight": ("D",), "self_attn.k_norm.weight": ("D",)}
 

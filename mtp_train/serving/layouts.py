@@ -18,43 +18,26 @@ import torch
 
 from inference_ref.head_spec import HeadSpec, draft_ids
 from inference_ref.models.llama import LlamaConfig
-
-Symbolic = dict[str, tuple[str, ...]]
-Table = dict[str, tuple[int, ...]]
+from mtp_train.layer_names import (
+    DEEPSEEK_EXPERT,
+    DEEPSEEK_MOE,
+    DEEPSEEK_NOAUX,
+    DEEPSEEK_RENAME,
+    DEEPSEEK_STACKED_EXPERTS,
+    EAGLE3_BLOCK,
+    LLAMA_BLOCK,
+    Symbolic,
+    Table,
+    deepseek_attention_symbolic,
+    deepseek_dense_block,
+    deepseek_dims,
+    llama_dims,
+    resolve,
+)
 
 
 class LayoutUnsupported(ValueError):
     """The requested engine layout cannot carry this head without changing its math."""
-
-
-def llama_dims(cfg: LlamaConfig) -> dict[str, int]:
-    """Symbols of the Llama-kind tables."""
-    h = cfg.hidden_size
-    return {
-        "H": h,
-        "2H": 2 * h,
-        "I": cfg.intermediate_size,
-        "V": cfg.vocab_size,
-        "QD": cfg.num_attention_heads * cfg.head_dim,
-        "KVD": cfg.num_key_value_heads * cfg.head_dim,
-    }
-
-
-def resolve(symbolic: Symbolic, dims: Mapping[str, int], prefix: str = "") -> Table:
-    return {prefix + name: tuple(dims[d] for d in shape) for name, shape in symbolic.items()}
-
-
-def check_layout(tensors: Mapping[str, torch.Tensor], table: Table, what: str = "layout") -> None:
-    """Raise unless `tensors` has exactly the names of `table`, each with its shape."""
-    missing = sorted(set(table) - set(tensors))
-    extra = sorted(set(tensors) - set(table))
-    wrong = [
-        f"{n} {tuple(tensors[n].shape)} (expected {table[n]})"
-        for n in sorted(set(table) & set(tensors))
-        if tuple(tensors[n].shape) != table[n]
-    ]
-    if missing or extra or wrong:
-        raise ValueError(f"{what}: missing {missing}, unexpected {extra}, wrong shapes {wrong}")
 
 
 @dataclass
@@ -65,20 +48,6 @@ class EngineExport:
     config: dict
     table: Table
 
-
-# ---------------------------------------------------------------------------------------------
-# The Llama decoder layer under Hugging Face names, as both engines' Llama loaders read it
-# (q/k/v and gate/up are fused at load time by their stacked_params_mapping).
-LLAMA_BLOCK: Symbolic = {
-    "self_attn.q_proj.weight": ("QD", "H"),
-    "self_attn.k_proj.weight": ("KVD", "H"),
-    "self_attn.v_proj.weight": ("KVD", "H"),
-    "self_attn.o_proj.weight": ("H", "QD"),
-    "post_attention_layernorm.weight": ("H",),
-    "mlp.gate_proj.weight": ("I", "H"),
-    "mlp.up_proj.weight": ("I", "H"),
-    "mlp.down_proj.weight": ("H", "I"),
-}
 
 # ---------------------------------------------------------------------------------------------
 # EAGLE-1 for Llama targets.
@@ -144,18 +113,6 @@ def eagle1_export(tensors: Mapping[str, torch.Tensor], layer_config: dict, varia
 # `eagle_config.eagle_aux_hidden_state_layer_ids` and adds 1 (python/sglang/srt/models/llama.py
 # @ 00239548f1cd1a06ca145a5447a86738090a48f1: "for the ith layer, it takes the output of the (i-1)th
 # layer"), so that list is written one lower: both engines then capture the same states.
-EAGLE3_BLOCK: Symbolic = {
-    "self_attn.q_proj.weight": ("QD", "2H"),
-    "self_attn.k_proj.weight": ("KVD", "2H"),
-    "self_attn.v_proj.weight": ("KVD", "2H"),
-    "self_attn.o_proj.weight": ("H", "QD"),
-    "input_layernorm.weight": ("H",),
-    "hidden_norm.weight": ("H",),
-    "post_attention_layernorm.weight": ("H",),
-    "mlp.gate_proj.weight": ("I", "H"),
-    "mlp.up_proj.weight": ("I", "H"),
-    "mlp.down_proj.weight": ("H", "I"),
-}
 EAGLE3_OWN: Symbolic = {"fc.weight": ("H", "nH"), "norm.weight": ("H",), "lm_head.weight": ("Vd", "H")}
 EAGLE3_VOCAB: Symbolic = {"d2t": ("Vd",), "t2d": ("V",)}  # only with a draft vocabulary (Vd < V)
 
@@ -333,67 +290,6 @@ DEEPSEEK_MTP_OWN: Symbolic = {
 }
 DEEPSEEK_MTP_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "shared_head.head.weight": ("V", "H")}
 
-# The DeepSeek-V2/V3 decoder layer, read from vLLM vllm/model_executor/models/deepseek_v2.py
-# (DeepseekV2MLAAttention, DeepseekV2MoE, DeepseekV2MLP; checkpoint names before vLLM's fusions).
-DEEPSEEK_Q_FULL: Symbolic = {"self_attn.q_proj.weight": ("NQK", "H")}
-DEEPSEEK_Q_LORA: Symbolic = {
-    "self_attn.q_a_proj.weight": ("QR", "H"),
-    "self_attn.q_a_layernorm.weight": ("QR",),
-    "self_attn.q_b_proj.weight": ("NQK", "QR"),
-}
-DEEPSEEK_KV_O: Symbolic = {
-    "self_attn.kv_a_proj_with_mqa.weight": ("KVR+R", "H"),
-    "self_attn.kv_a_layernorm.weight": ("KVR",),
-    "self_attn.kv_b_proj.weight": ("NKV", "KVR"),
-    "self_attn.o_proj.weight": ("H", "NV"),
-    "input_layernorm.weight": ("H",),
-    "post_attention_layernorm.weight": ("H",),
-}
-DEEPSEEK_DENSE_MLP: Symbolic = {
-    "mlp.gate_proj.weight": ("I", "H"),
-    "mlp.up_proj.weight": ("I", "H"),
-    "mlp.down_proj.weight": ("H", "I"),
-}
-DEEPSEEK_MOE: Symbolic = {
-    "mlp.gate.weight": ("E", "H"),
-    "mlp.shared_experts.gate_proj.weight": ("SI", "H"),
-    "mlp.shared_experts.up_proj.weight": ("SI", "H"),
-    "mlp.shared_experts.down_proj.weight": ("H", "SI"),
-}
-DEEPSEEK_EXPERT: Symbolic = {
-    "mlp.experts.{e}.gate_proj.weight": ("MI", "H"),
-    "mlp.experts.{e}.up_proj.weight": ("MI", "H"),
-    "mlp.experts.{e}.down_proj.weight": ("H", "MI"),
-}
-DEEPSEEK_NOAUX: Symbolic = {"mlp.gate.e_score_correction_bias": ("E",)}  # V3 routing (topk_method noaux_tc)
-# The routed experts stacked, as a native MoE head holds them (transformers 5.x's in-memory layout,
-# gate rows before up rows); `unstack_experts` writes them one per expert for the engines.
-DEEPSEEK_STACKED_EXPERTS: Symbolic = {
-    "mlp.experts.gate_up_proj": ("E", "2MI", "H"),
-    "mlp.experts.down_proj": ("E", "H", "MI"),
-}
-
-
-def deepseek_dims(hf: Mapping) -> dict[str, int]:
-    """Symbols of the DeepSeek tables, from the target's Hugging Face config.json."""
-    n, qk = hf["num_attention_heads"], hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
-    return {
-        "H": hf["hidden_size"],
-        "2H": 2 * hf["hidden_size"],
-        "V": hf["vocab_size"],
-        "I": hf["intermediate_size"],
-        "QR": hf.get("q_lora_rank") or 0,
-        "KVR": hf["kv_lora_rank"],
-        "KVR+R": hf["kv_lora_rank"] + hf["qk_rope_head_dim"],
-        "NQK": n * qk,
-        "NKV": n * (hf["qk_nope_head_dim"] + hf["v_head_dim"]),
-        "NV": n * hf["v_head_dim"],
-        "E": hf.get("n_routed_experts") or 0,
-        "MI": hf.get("moe_intermediate_size") or 0,
-        "2MI": 2 * (hf.get("moe_intermediate_size") or 0),
-        "SI": (hf.get("moe_intermediate_size") or 0) * (hf.get("n_shared_experts") or 0),
-    }
-
 
 def deepseek_is_moe(hf: Mapping, layer: int) -> bool:
     """vLLM DeepseekV2DecoderLayer's rule for a MoE MLP at `layer`."""
@@ -402,22 +298,6 @@ def deepseek_is_moe(hf: Mapping, layer: int) -> bool:
         and layer >= hf.get("first_k_dense_replace", 0)
         and layer % hf.get("moe_layer_freq", 1) == 0
     )
-
-
-def deepseek_attention_symbolic(hf: Mapping) -> Symbolic:
-    """A DeepSeek decoder layer's attention and norms."""
-    return {**(DEEPSEEK_Q_LORA if hf.get("q_lora_rank") else DEEPSEEK_Q_FULL), **DEEPSEEK_KV_O}
-
-
-def deepseek_dense_block(hf: Mapping) -> Symbolic:
-    """A DeepSeek decoder layer with a dense MLP (a DeepSeek-kind head's layer)."""
-    return {**deepseek_attention_symbolic(hf), **DEEPSEEK_DENSE_MLP}
-
-
-def deepseek_moe_block(hf: Mapping) -> Symbolic:
-    """A DeepSeek decoder layer with the target's MoE block, experts stacked (a native MoE head's layer)."""
-    noaux = DEEPSEEK_NOAUX if hf.get("topk_method") == "noaux_tc" else {}
-    return {**deepseek_attention_symbolic(hf), **DEEPSEEK_MOE, **noaux, **DEEPSEEK_STACKED_EXPERTS}
 
 
 def deepseek_layer_symbolic(hf: Mapping, layer: int) -> Symbolic:
@@ -440,18 +320,6 @@ def deepseek_mtp_table(hf: Mapping, store_shared: bool) -> Table:
     if store_shared:
         symbolic.update(DEEPSEEK_MTP_SHARED)
     return resolve(symbolic, deepseek_dims(hf), prefix=f"model.layers.{n}.")
-
-
-# Native head name → name under model.layers.{N}. The block's names pass through unchanged: a
-# DeepSeek-kind head's `layer.*` tensors carry the DeepSeek layer's own names.
-DEEPSEEK_RENAME = {
-    "enorm.weight": "enorm.weight",
-    "hnorm.weight": "hnorm.weight",
-    "fc.weight": "eh_proj.weight",
-    "norm.weight": "shared_head.norm.weight",
-    "embed_tokens.weight": "embed_tokens.weight",
-    "lm_head.weight": "shared_head.head.weight",
-}
 
 
 def to_deepseek_mtp(tensors: Mapping[str, torch.Tensor], num_hidden_layers: int) -> dict[str, torch.Tensor]:
