@@ -4,19 +4,30 @@
 # restored head trains on each store with the same steps, tokens and lr (the six-head experiment's
 # 1.5e-3, 600 × 32k tokens); each head is then validated against the bf16 target and against the
 # FP8 target on MT-bench (both turns, greedy, k = 4, 256 new tokens). On the lent 2-GPU machine,
-# after experiments/gpu_machine.sh's set-up (/root/smol converted, prompts under /root/dc, wheels
-# under /root/site); each stage resumes.
+# after experiments/gpu_machine.sh's set-up (the target converted, prompts and wheels in place);
+# each stage resumes. Results and write-up: docs/results/fp8_run/.
 #   (setsid nohup bash experiments/fp8_smollm2.sh > /root/fp8.log 2>&1 &)   # /root/fp8.done at the end
+#
+# Machine paths, each from the environment (the defaults are the lent machine's):
+#   DATA_DIR  /root/dc                        the prompt files
+#   CHAT      $DATA_DIR/chat_prompts.jsonl    the shared chat prompts
+#   SITE      /root/site                      the installed wheels, put on PYTHONPATH
+#   T         /root/smol                      the target (a HF directory)
+#   R         /root/fp8                       the run directory; $R.done is touched at the end
 set -euo pipefail
-trap "touch /root/fp8.done" EXIT
-export PYTHONPATH=/root/site:$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-R=${R:-/root/fp8}
-common=(model=smollm2_135m model.target=/root/smol run_dir=$R)
+: "${DATA_DIR:=/root/dc}"
+: "${CHAT:=$DATA_DIR/chat_prompts.jsonl}"
+: "${SITE:=/root/site}"
+: "${T:=/root/smol}"
+: "${R:=/root/fp8}"
+trap 'touch "$R.done"' EXIT
+export PYTHONPATH=$SITE:$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+common=(model=smollm2_135m "model.target=$T" "run_dir=$R")
 on() { CUDA_VISIBLE_DEVICES=$1 python3 -m "${@:2}"; }
 gpus=$(nvidia-smi -L | wc -l)  # the paired jobs below share one GPU where there is one
 next() { gpu=$(( (gpu + 1) % gpus )); }
 
-on 0 mtp_train.regenerate "${common[@]}" "regenerate.prompts=[/root/dc/chat_prompts.jsonl]" \
+on 0 mtp_train.regenerate "${common[@]}" "regenerate.prompts=[$CHAT]" \
   regenerate.limit=12000 regenerate.max_new_tokens=256 regenerate.batch_size=512
 gpu=0
 for q in none fp8; do

@@ -15,15 +15,26 @@
 #   validation  MT-bench and vicuna-bench, both turns, VAL_NEW new tokens, batch 80, k = 1 … 5,
 #         TEMPS, per category, SSD hit rates (F = 1, 4, 8, 16); with TREES=head also EAGLE-2 trees
 #         of 4/16/32/64 nodes (depth 5) and Saguaro sampling (c = 0.5, 0.2) for that head.
-# After experiments/gpu_machine.sh's set-up (/root/smol converted, prompts under /root/dc, wheels
-# under /root/site). Every stage resumes.
+# After experiments/gpu_machine.sh's set-up (the target converted, prompts and wheels in place).
+# Every stage resumes. Runs and write-ups: docs/results/push_run, push2_run, push3_run.
 #   (setsid nohup bash experiments/quality_push.sh > /root/push.log 2>&1 &)   # /root/push.done at the end
+#
+# Machine paths, each from the environment (the defaults are the lent machine's):
+#   DATA_DIR  /root/dc                        the prompt files
+#   CHAT      $DATA_DIR/chat_prompts.jsonl    the shared chat prompts
+#   GSM8K     (empty: none)                   GSM8K questions to answer too, e.g. $DATA_DIR/gsm8k_train.jsonl
+#   SITE      /root/site                      the installed wheels, put on PYTHONPATH
+#   T         /root/smol                      the target (a HF directory)
+#   R         /root/push                      the run directory; $R.done is touched at the end
+# The experiment's knobs follow below, each with its default.
 set -euo pipefail
-trap "touch ${R:-/root/push}.done" EXIT
-export PYTHONPATH=${SITE:-/root/site}:$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-R=${R:-/root/push}                  # run directory
-T=${T:-/root/smol}                  # the target
-CHAT=${CHAT:-/root/dc/chat_prompts.jsonl}
+: "${DATA_DIR:=/root/dc}"
+: "${CHAT:=$DATA_DIR/chat_prompts.jsonl}"
+: "${SITE:=/root/site}"
+: "${T:=/root/smol}"
+: "${R:=/root/push}"
+trap 'touch "$R.done"' EXIT
+export PYTHONPATH=$SITE:$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 N=${N:-14000}                       # chat prompts answered (null: all)
 GSM8K=${GSM8K:-}                    # also answer these GSM8K questions (empty: none)
 AUX=${AUX:-true}                    # store EAGLE-3's aux states (needed by eagle3 heads only)
@@ -45,10 +56,7 @@ common=(model=smollm2_135m "model.target=$T" "run_dir=$R")
 log() { echo "[$(date +%T)] $*"; }
 
 # The six-head experiment's set-aside prompts (seed 0) stay out of the training data.
-python3 -c "
-from pathlib import Path
-from experiments.quality_smollm2 import Plan, split_prompts
-split_prompts(Path('$CHAT'), Path('$R'), Plan())"
+python3 -m experiments.quality_smollm2 split-prompts "$CHAT" "$R"
 prompts=$R/prompts/chat_train.jsonl
 [ -n "$GSM8K" ] && prompts="$prompts,$GSM8K"
 
@@ -94,14 +102,7 @@ while read -r name steps overrides; do
   train "$name" "$steps" $overrides &
 done <<< "$HEADS"
 wait
-python3 -c "
-import json, pathlib
-from experiments.quality_smollm2 import last_validation
-heads = sorted(pathlib.Path('$R/heads').glob('*/metrics.jsonl'))
-rows = {m.parent.name: last_validation(m) for m in heads if 'val/tau_k4' in m.read_text()}
-pathlib.Path('$R/selection.json').write_text(json.dumps(rows, indent=1))
-for name, row in rows.items():
-    print(f'{name}: set-aside τ k=4 {row[\"val/tau_k4\"]:.3f}, acc@1 {row[\"val/accept_k4_pos1\"]:.3f}')"
+python3 -m experiments.quality_smollm2 selection "$R"   # each head's set-aside τ: $R/selection.json
 
 validate() {  # head, report name, prompts file, overrides...
   local head=$1 name=$2 prompts=$3

@@ -5,6 +5,9 @@ learning-rate sweep.
     python -m experiments.quality_smollm2 run TARGET CHAT_PROMPTS.jsonl GSM8K.jsonl RUN_DIR \
         [plan.FIELD=V ...] [HYDRA=V ...]
     python -m experiments.quality_smollm2 report RUN_DIR docs/results
+    python -m experiments.quality_smollm2 split-prompts CHAT_PROMPTS.jsonl RUN_DIR
+    python -m experiments.quality_smollm2 selection RUN_DIR
+    python -m experiments.quality_smollm2 convert-gguf MODEL.gguf OUT_DIR
 
 `plan.FIELD=V` changes the experiment's `Plan` (e.g. `plan.steps=20 plan.lrs=1e-3,2e-3` for a
 rehearsal); any other `key=value` is a Hydra override passed to every stage.
@@ -22,7 +25,10 @@ running it again:
 4. per head, the learning rate with the highest mean accepted length there is kept, and that head is
    validated on MT-bench (both turns) and vicuna-bench for k = 1…5, greedy and T = 1.
 
-`report` turns RUN_DIR into docs/results.md's tables and PNG training curves.
+`report` turns RUN_DIR into the tables and PNG training curves the run's write-up quotes
+(docs/results/<run>/README.md). The last three are the steps `quality_push.sh` and `gpu_machine.sh`
+take on their own: the seeded set-aside prompts (step 1 above), each trained head's last validation
+on them (`selection.json`), and the GGUF target converted once.
 
 Expected on one H200 (from the measured parts): regenerate ≈ 200 s (34k prompts, 5.4M new
 tokens), precompute ≈ 20 s (9.2M tokens), the sweep ≈ 10–12 min (nine 600-step runs of 32k-token
@@ -33,6 +39,7 @@ time limit continues where it was.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -338,18 +345,70 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def main(argv: list[str]) -> None:
-    if argv[:1] == ["run"] and len(argv) >= 5:
-        plan = Plan.parse([a.removeprefix("plan.") for a in argv[5:] if a.startswith("plan.")])
-        extra = [a for a in argv[5:] if not a.startswith("plan.")]
-        run(argv[1], Path(argv[2]), Path(argv[3]), Path(argv[4]), plan, extra)
-    elif argv[:1] == ["report"] and len(argv) == 3:
+def write_selection(run_dir: Path) -> dict[str, dict]:
+    """Each head's last set-aside validation (`RUN_DIR/heads/<name>/metrics.jsonl`) into
+    RUN_DIR/selection.json, and one line per head on stdout."""
+    heads = sorted((run_dir / "heads").glob("*/metrics.jsonl"))
+    rows = {m.parent.name: last_validation(m) for m in heads if "val/tau_k4" in m.read_text()}
+    (run_dir / "selection.json").write_text(json.dumps(rows, indent=1))
+    for name, row in rows.items():
+        print(f"{name}: set-aside τ k=4 {row['val/tau_k4']:.3f}, acc@1 {row['val/accept_k4_pos1']:.3f}")
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(
+        prog="python -m experiments.quality_smollm2",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = cli.add_subparsers(dest="command", required=True)
+    run_cmd = sub.add_parser("run", help="the experiment end to end (resumable)")
+    run_cmd.add_argument("target", help="the target: a Hugging Face directory")
+    run_cmd.add_argument("chat", type=Path, help="the shared chat prompts (jsonl)")
+    run_cmd.add_argument("gsm8k", type=Path, help="the GSM8K questions (jsonl)")
+    run_cmd.add_argument("run_dir", type=Path, help="where every stage writes")
+    run_cmd.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="plan.FIELD=V | KEY=V",
+        help="changes to the Plan, or Hydra overrides passed to every stage",
+    )
+    report = sub.add_parser("report", help="a run's tables and training curves")
+    report.add_argument("run_dir", type=Path)
+    report.add_argument("out", type=Path, help="where tables.md, curves_<head>.png go")
+    split = sub.add_parser("split-prompts", help="set the seeded selection prompts aside (RUN_DIR/prompts/)")
+    split.add_argument("chat", type=Path, help="the shared chat prompts (jsonl)")
+    split.add_argument("run_dir", type=Path)
+    selection = sub.add_parser(
+        "selection", help="each head's last set-aside validation into RUN_DIR/selection.json"
+    )
+    selection.add_argument("run_dir", type=Path)
+    gguf = sub.add_parser("convert-gguf", help="a GGUF target as a Hugging Face directory")
+    gguf.add_argument("gguf", type=Path)
+    gguf.add_argument("out_dir", type=Path)
+    return cli
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.command == "run":
+        plan = Plan.parse([a.removeprefix("plan.") for a in args.overrides if a.startswith("plan.")])
+        extra = [a for a in args.overrides if not a.startswith("plan.")]
+        run(args.target, args.chat, args.gsm8k, args.run_dir, plan, extra)
+    elif args.command == "report":
         from experiments.quality_report import write_report
 
-        write_report(Path(argv[1]), Path(argv[2]))
-    else:
-        sys.exit(__doc__)
+        write_report(args.run_dir, args.out)
+    elif args.command == "split-prompts":
+        split_prompts(args.chat, args.run_dir, Plan())
+    elif args.command == "selection":
+        write_selection(args.run_dir)
+    elif args.command == "convert-gguf":
+        from inference_ref.gguf import convert_gguf
+
+        convert_gguf(args.gguf, args.out_dir)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
