@@ -12,6 +12,7 @@ of a resumed run is just its step number, and N processes split the same global 
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -149,11 +150,15 @@ class MicroBatchPlan:
     def __init__(self, lengths: np.ndarray, budget: int, seed: int):
         self.lengths, self.budget, self.seed = lengths, budget, seed
         self.epochs: list[list[list[int]]] = []
+        self._planning = threading.Lock()
 
     def _epoch(self, e: int) -> list[list[int]]:
-        while len(self.epochs) <= e:
-            self.epochs.append(plan_micro_batches(self.lengths, self.budget, self.seed, len(self.epochs)))
-        return self.epochs[e]
+        # The prefetch threads ask at once: unlocked, two could append the same epoch twice and
+        # shift every later micro-batch (a data order that differs run to run, a broken resume).
+        with self._planning:
+            while len(self.epochs) <= e:
+                self.epochs.append(plan_micro_batches(self.lengths, self.budget, self.seed, len(self.epochs)))
+            return self.epochs[e]
 
     @property
     def per_epoch(self) -> int:
