@@ -14,7 +14,7 @@ import torch
 from benchmarks.bench_precompute import PEAK_BF16, kernel_breakdown, packed_batches, run_ours
 from benchmarks.common import DEVICE, DTYPE, linear_flops_per_token, lognormal_lengths, shape, write_result
 from inference_ref.causal_lm import cu_seqlens_of
-from inference_ref.models import KINDS
+from inference_ref.models import TARGET_KINDS
 from inference_ref.quantization import Fp8Linear, quantize
 
 
@@ -51,7 +51,7 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=32768)
     args = p.parse_args()
     cfg = shape(args.shape)
-    model = KINDS[cfg.model_type].random(cfg, device=DEVICE, dtype=DTYPE)
+    model = TARGET_KINDS[cfg.model_type].random(cfg, device=DEVICE, dtype=DTYPE)
     lengths = lognormal_lengths(args.tokens)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]

@@ -222,7 +222,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     target = Path(args.target) if args.target else work / "target"
     if not (target / "config.json").exists():
-        from mtp_train.targets import write_random_target
+        from mtp_train.target_files import write_random_target
 
         write_random_target(target, args.tokenizer, seed=0, **SHAPE)
     base = [

@@ -26,7 +26,7 @@ from benchmarks.common import (
 )
 from inference_ref.attention import packed_kernel
 from inference_ref.causal_lm import cu_seqlens_of
-from inference_ref.models import KINDS
+from inference_ref.models import TARGET_KINDS
 
 # transformers' base model (no lm_head) of each kind, the baseline
 HF_BASE = {"llama": "LlamaModel", "qwen3": "Qwen3Model", "qwen3_moe": "Qwen3MoeModel"}
@@ -210,7 +210,7 @@ def main() -> None:
     cfg = shape(args.shape, **changes)
     import transformers
 
-    model = KINDS[cfg.model_type].random(cfg, device=DEVICE, dtype=DTYPE)
+    model = TARGET_KINDS[cfg.model_type].random(cfg, device=DEVICE, dtype=DTYPE)
     hf = hf_copy(model, getattr(transformers, HF_BASE[cfg.model_type]))
     compiled = not args.no_compile and model.compilable
     run = side_by_side(model, hf, cfg, args.tokens, args.batch_tokens, warmup=3, compiled=compiled)

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from benchmarks.common import DEVICE, DTYPE, timed, write_result
 from inference_ref.draft import load_draft
 from inference_ref.generate import generate
-from inference_ref.speculative import speculative_generate
+from inference_ref.speculative import Chain, speculative_generate
 from inference_ref.target import load_target
 from mtp_train.data import load_prompts, prompt_ids
 
@@ -45,7 +45,7 @@ def speculative_all(target, draft, groups, new: int, eos, k: int, variant: str) 
     torch.backends.cuda.enable_cudnn_sdp(cudnn and variant != "eager_no_cudnn")
     try:
         graph = variant == "graph"
-        return [speculative_generate(target, draft, g, new, eos, k, graph=graph) for g in groups]
+        return [speculative_generate(target, draft, g, new, eos, Chain(k), graph=graph) for g in groups]
     finally:
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
 

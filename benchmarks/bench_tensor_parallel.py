@@ -28,7 +28,7 @@ import torch.distributed as dist
 from benchmarks.bench_precompute import PEAK_BF16, packed_batches
 from benchmarks.common import linear_flops_per_token, lognormal_lengths, shape, write_result
 from inference_ref.causal_lm import cu_seqlens_of
-from inference_ref.models import KINDS
+from inference_ref.models import TARGET_KINDS
 from inference_ref.tensor_parallel import device_mesh, parallelize, random_parallel, weight_bytes_per_rank
 
 GiB = 1 << 30
@@ -116,7 +116,7 @@ def main() -> None:
 
     if args.compare_dp:  # (a) each rank the whole target, half of the batches
         torch.manual_seed(0)
-        model = KINDS[cfg.model_type].random(cfg, device, torch.bfloat16, 0)
+        model = TARGET_KINDS[cfg.model_type].random(cfg, device, torch.bfloat16, 0)
         mine = batches[rank::world]
         torch.cuda.reset_peak_memory_stats()
         seconds = measure(model, seqs, mine, args.warmup, True, args.batch_tokens)
@@ -178,7 +178,7 @@ def rank_share(args) -> None:
     batches = packed_batches(lengths, args.batch_tokens)
     total = sum(lengths)
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: a 70B share in fp32 first would not fit
-    model = KINDS[cfg.model_type].random(cfg, "cuda", torch.bfloat16, 0)
+    model = TARGET_KINDS[cfg.model_type].random(cfg, "cuda", torch.bfloat16, 0)
     torch.set_default_dtype(torch.float32)
     host = torch.empty(args.batch_tokens + 4096, cfg.hidden_size, dtype=torch.bfloat16).pin_memory()
     figures = {"shape": args.shape, "rank_share_of_tp": n, "tokens": total, "batch_tokens": args.batch_tokens}

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from benchmarks.common import DEVICE, DTYPE, shape, write_result
-from inference_ref.models import KINDS
+from inference_ref.models import TARGET_KINDS
 
 BATCHES = (1, 8, 32, 64)
 NEW_TOKENS = (1, 2, 3, 4, 5, 6, 8, 16, 32, 64)
@@ -71,7 +71,7 @@ def verify_costs(model, batches, new_tokens) -> dict[str, dict[str, float]]:
 def draft_costs(cfg, batches) -> dict[str, float]:
     """ms of one draft step per batch: a one-layer model of the target's layer shape (its layer,
     the shared embedding, final norm and lm_head) plus the head's fc (2H → H), one token per row."""
-    layer = KINDS[cfg.model_type].random(
+    layer = TARGET_KINDS[cfg.model_type].random(
         type(cfg)(**{**cfg.__dict__, "num_hidden_layers": 1}), DEVICE, DTYPE, 0
     )
     fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False, device=DEVICE, dtype=DTYPE)
@@ -101,7 +101,7 @@ def main() -> None:
     measured = {}
     for depth in depths:
         part = type(cfg)(**{**cfg.__dict__, "num_hidden_layers": depth})
-        model = KINDS[cfg.model_type].random(part, DEVICE, DTYPE, 0)
+        model = TARGET_KINDS[cfg.model_type].random(part, DEVICE, DTYPE, 0)
         measured[depth] = verify_costs(model, args.batches, NEW_TOKENS)
         del model
         torch.cuda.empty_cache()

@@ -20,8 +20,8 @@ from benchmarks.common import DEVICE, DTYPE, RESULTS, shape, timed, write_result
 from inference_ref.draft import load_draft
 from inference_ref.generate import generate, prefill
 from inference_ref.head_spec import HeadSpec
-from inference_ref.models import KINDS
-from inference_ref.speculative import speculative_generate
+from inference_ref.models import TARGET_KINDS
+from inference_ref.speculative import Chain, speculative_generate
 from mtp_train.export import save_head
 from mtp_train.heads import MTPHead
 from mtp_train.projection import speedup
@@ -47,21 +47,21 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     args = p.parse_args()
     cfg = shape(args.shape)
-    target = KINDS[cfg.model_type].random(cfg, DEVICE, DTYPE, 0)
+    target = TARGET_KINDS[cfg.model_type].random(cfg, DEVICE, DTYPE, 0)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (1024,), generator=g).tolist() for _ in range(args.batch)]
     with tempfile.TemporaryDirectory() as d:
         draft = random_draft(target, cfg, d)
         no_eos: list[int] = []  # every row runs its full length, as the cost benchmark's do
         generate(target, prompts, 8, no_eos)  # warm-ups: allocator, graphs
-        speculative_generate(target, draft, prompts, 8, no_eos, args.k, graph=True)
+        speculative_generate(target, draft, prompts, 8, no_eos, Chain(args.k), graph=True)
         base = timed(lambda: generate(target, prompts, args.new, no_eos))
         # both loops start with the same prefill of every prompt, which the model leaves out
         prefill_s = timed(lambda: prefill(target, prompts, 1024 + args.new + 2 * args.k + 1))
         box = []
         spec = timed(
             lambda: box.append(
-                speculative_generate(target, draft, prompts, args.new, no_eos, args.k, graph=True)
+                speculative_generate(target, draft, prompts, args.new, no_eos, Chain(args.k), graph=True)
             )
         )
     stats = box[0].stats

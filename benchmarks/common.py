@@ -139,7 +139,7 @@ def hf_copy(model, hf_class):
     its config is transformers' own class for the model's kind."""
     from transformers import AutoConfig
 
-    from inference_ref.models import KINDS
+    from inference_ref.models import TARGET_KINDS
 
     hf_cfg = model.cfg.to_hf()
     config = AutoConfig.for_model(hf_cfg.pop("model_type"), **hf_cfg, attn_implementation="sdpa")
@@ -147,7 +147,7 @@ def hf_copy(model, hf_class):
     with torch.device(DEVICE):
         hf = hf_class(config).eval()
     torch.set_default_dtype(torch.float32)
-    weights = KINDS[model.cfg.model_type].hf_state_dict(model)
+    weights = TARGET_KINDS[model.cfg.model_type].hf_state_dict(model)
     if any(k.endswith("experts.gate_up_proj") for k in hf.state_dict()):  # transformers 5 stacks experts
         weights = stacked_experts(weights)
     if not hasattr(hf, "lm_head"):  # a bare LlamaModel: no lm_head, no "model." prefix
@@ -180,10 +180,10 @@ def stacked_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def shape(name: str, **changes):
     """The config of a named shape, of its kind (`model_type`, Llama when absent)."""
-    from inference_ref.models import KINDS
+    from inference_ref.models import TARGET_KINDS
 
     fields = {**SHAPES[name], **changes}
-    return KINDS[fields.pop("model_type", "llama")].config(**fields)
+    return TARGET_KINDS[fields.pop("model_type", "llama")].config(**fields)
 
 
 def lognormal_lengths(total_tokens: int, median: int = 600, cap: int = 4096, seed: int = 0) -> list[int]:

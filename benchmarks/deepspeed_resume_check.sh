@@ -5,7 +5,7 @@
 set -euo pipefail
 tok=$1; work=$2
 mkdir -p "$work"
-python3 -c "from mtp_train.targets import write_random_target; write_random_target('$work/target', '$tok', seed=0)"
+python3 -c "from mtp_train.target_files import write_random_target; write_random_target('$work/target', '$tok', seed=0)"
 common=(model=tiny_random "model.target=$work/target" "data.train_files=[tests/data/gsm8k_64.jsonl]"
         train.tokens_per_micro_batch=512 train.save_every=2 logging.log_every=1 train.warmup_steps=1)
 launch=(accelerate launch --config_file launch/accelerate/zero2_1gpu.yaml -m mtp_train.train)

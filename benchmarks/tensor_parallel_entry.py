@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.common import write_result
 from mtp_train.store import Store
-from mtp_train.targets import write_random_target
+from mtp_train.target_files import write_random_target
 
 SHAPE = dict(
     hidden_size=1024,

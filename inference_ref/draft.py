@@ -1,7 +1,8 @@
 """The draft head for serving: loads the native export and runs it through its own KV cache.
 
-The head's description and math (`HeadSpec`, `project`, `output_state`) are `inference_ref.head_spec`'s,
-shared with the training module `mtp_train.heads.MTPHead`. The decoder layer is the target's kind,
+What every draft shares is `draft_base.Draft`; the head's description and math (`HeadSpec`, its
+kind's `math`) are `inference_ref.head_spec`'s, shared with the training module
+`mtp_train.heads.MTPHead`. The restored and eagle1 drafts' decoder layer is the target's kind,
 built by its registry entry (`TargetKind.head_layer`): a Llama layer with a KV cache, or for a
 DeepSeek-V2 target an MLA layer with a latent cache, attending in the latent space as the target's
 decode does, and a dense MLP or (config.json `"mlp": "moe"`) the target's MoE block.
@@ -19,169 +20,35 @@ final norm and lm_head are the target's unless the file stores `embed_tokens.wei
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from inference_ref.attention import Placement
-from inference_ref.causal_lm import RMSNorm
+from inference_ref.draft_base import Draft, fuse_head_state
 from inference_ref.head_spec import (
     CONFIG,
-    SHARED,
     WEIGHTS,
     HeadSpec,
     check_aux_layers,
     check_head_fits_target,
-    draft_ids,
-    output_state,
-    project,
+    resolve_class,
 )
-from inference_ref.loading import placed
-from inference_ref.models import KINDS
-from inference_ref.target import Cache, TargetModel
+from inference_ref.models import TARGET_KINDS
+from inference_ref.target import TargetModel
+
+__all__ = ["Draft", "MTPDraft", "check_head_fits_target", "fuse_head_state", "load_draft"]
 
 
-class MTPDraft(nn.Module):
-    """One-layer draft head sharing embeddings, final norm and lm_head with its target."""
+class MTPDraft(Draft):
+    """The restored and eagle1 drafts: a decoder layer of the target's kind (eagle1's without its input norm)."""
 
-    capture: tuple[int, ...] = ()
-    """The target layers whose entering states the draft reads beside the last layer's (none)."""
-
-    def __init__(self, spec: HeadSpec):
-        super().__init__()
-        self.spec = spec
-        h, eps = spec.target.hidden_size, spec.target.rms_norm_eps
-        if spec.restored:
-            self.enorm, self.hnorm, self.norm = RMSNorm(h, eps), RMSNorm(h, eps), RMSNorm(h, eps)
-        self.fc = nn.Linear(2 * h, h, bias=spec.kind.fc_bias)
-        self.layer, self.rotary, self.cache_type = KINDS[spec.target.model_type].head_layer(
-            spec.target, spec.mlp
-        )
-        if not spec.restored:
-            self.layer.input_layernorm = nn.Identity()
-        if spec.draft_vocab_size:
-            self.register_buffer("d2t", torch.zeros(spec.vocab, dtype=torch.long))
-
-    @property
-    def draft_ids(self) -> torch.Tensor | None:
-        """The target id of each lm_head row where the head has a draft vocabulary (engines store
-        the offsets, `d2t`); None: it scores the whole target vocabulary."""
-        return draft_ids(self.d2t) if self.spec.draft_vocab_size else None
-
-    @classmethod
-    def from_tensors(cls, spec: HeadSpec, tensors: dict[str, torch.Tensor], target: TargetModel) -> MTPDraft:
-        """Build from native-format tensors, on the target's device and in its dtype."""
-        weight = target.embed_tokens.weight
-        with torch.device("meta"):
-            draft = cls(spec)
-        state = placed(draft.fuse(tensors), weight.device, weight.dtype)
-        draft.load_state_dict(state, strict=True, assign=True)
-        draft.rotary = type(draft.rotary)(spec.target).to(
-            weight.device
-        )  # fp32 frequencies whatever the dtype
-        draft.share(target, tensors)
-        return draft.eval()
-
-    def share(self, target: TargetModel, tensors: dict[str, torch.Tensor]) -> None:
-        """Use the target's embeddings, final norm and lm_head (the same modules, not copies),
-        except an embedding or lm_head the head file stores itself ([Vd, H] for a draft
-        vocabulary). A draft vocabulary otherwise takes the target lm_head's rows of its tokens."""
-        weight = target.embed_tokens.weight
-        self.embed_tokens, self.target_norm, self.lm_head = target.embed_tokens, target.norm, target.lm_head
-        if "embed_tokens.weight" in tensors:
-            own = tensors["embed_tokens.weight"].to(weight.device, weight.dtype)
-            self.embed_tokens = nn.Embedding.from_pretrained(own)
-        rows = tensors.get("lm_head.weight")
-        if rows is not None:
-            rows = rows.to(weight.device, weight.dtype)
-        elif self.spec.draft_vocab_size:
-            full = target.lm_head.weight
-            full = (
-                full.full_tensor() if hasattr(full, "full_tensor") else full
-            )  # vocab-parallel: gathered once
-            rows = full[self.draft_ids]
-        if rows is not None:
-            self.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
-            self.lm_head.weight = nn.Parameter(rows, requires_grad=False)
-
-    def fuse(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Native tensors → this module's state dict (`fuse_head_state`)."""
-        return fuse_head_state(tensors, self.spec)
-
-    def new_cache(self, batch: int, max_len: int) -> Cache:
-        w = self.fc.weight
-        return self.cache_type.empty(self.spec.target, 1, batch, max_len, w.device, w.dtype)
-
-    def project(self, state: torch.Tensor, tokens: torch.Tensor, from_target: bool) -> torch.Tensor:
-        """fc input from (state, next token): the target's h, or the draft's own y when chained."""
-        return project(self, self.embed_tokens(tokens).to(state.dtype), state, self.target_norm, from_target)
-
-    def run_layer(
-        self, x: torch.Tensor, cache: Cache, static: bool = False, placement: Placement | None = None
-    ) -> torch.Tensor:
-        """The decoder layer on x [B, S, H] placed at the cache's lengths (slot = rope position), or
-        where `placement` says (the nodes of a draft tree). `static`: attend over the whole cache,
-        masked (fixed shapes, no host sync: CUDA graphs)."""
-        if placement is None:
-            slots, mask = cache.slots(x.shape[1], static)
-            placement = Placement(slots, slots, mask)
-        cos, sin = self.rotary(placement.positions, x.dtype)
-        return self.layer.forward_cached(x, cos, sin, *cache.layer(0), placement.slots, placement.mask)
-
-    @torch.inference_mode()
-    def prefill(
-        self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: Cache, static: bool = False
-    ) -> torch.Tensor:
-        """Entries for target states h_i [B, S, H] (pre-norm) and tokens t_{i+1} [B, S], written at
-        the cache's lengths; also the refill after each verification. Does not commit: the caller
-        advances `cache.lengths`. Returns the output states y [B, S, H]."""
-        return self.run_layer(self.project(hidden, next_tokens, from_target=True), cache, static)
-
-    @torch.inference_mode()
-    def chain(
-        self, y: torch.Tensor, token: torch.Tensor, cache: Cache, step: int, static: bool = False
-    ) -> torch.Tensor:
-        """Chained step `step` ≥ 1 from the last committed entry: reads the previous step's output
-        y [B, H] and the token it drafted [B]; writes at slot `lengths − 1 + step` (scratch, never
-        committed), seeing the committed entries and this chain's earlier steps. Returns y [B, H]."""
-        ahead = cache.shifted(step - 1)
-        x = self.project(y[:, None], token[:, None], from_target=False)
-        return self.run_layer(x, ahead, static)[:, 0]
-
-    @torch.inference_mode()
-    def chain_nodes(
-        self, y: torch.Tensor, tokens: torch.Tensor, cache: Cache, placement: Placement
-    ) -> torch.Tensor:
-        """Chained steps for several nodes of a draft tree at once: each node's token [B, F] with
-        its parent's output y [B, F, H], placed by `placement` (scratch slots; the rope position of
-        its depth; a mask that shows it the committed entries, its ancestors and itself, which is
-        what `chain` would see on the node's own path). Returns the nodes' y [B, F, H]."""
-        return self.run_layer(self.project(y, tokens, from_target=False), cache, placement=placement)
-
-    @torch.inference_mode()
-    def logits(self, y: torch.Tensor) -> torch.Tensor:
-        """fp32 logits over the target vocabulary from output states y: with a draft vocabulary its
-        tokens scored, the rest −inf (so that greedy and rejection sampling run unchanged, as
-        vLLM maps EAGLE-3 logits)."""
-        scores = self.lm_head(output_state(self, y)).float()
-        vocab = self.spec.target.vocab_size
-        if scores.shape[-1] == vocab:
-            return scores
-        out = scores.new_full((*scores.shape[:-1], vocab), float("-inf"))
-        return out.index_copy_(-1, self.draft_ids, scores)
-
-
-def fuse_head_state(tensors: dict[str, torch.Tensor], spec: HeadSpec) -> dict[str, torch.Tensor]:
-    """Native (unfused) names → this module's: the layer's projections fused as the target's kind
-    fuses them (`TargetKind.fuse_head_layer`); fc and the norms keep their names."""
-    own = {k: v for k, v in tensors.items() if k not in SHARED}
-    layer = {k: v for k, v in own.items() if k.startswith("layer.")}
-    rest = {k: v for k, v in own.items() if not k.startswith("layer.")}
-    return {**rest, **KINDS[spec.target.model_type].fuse_head_layer(layer, spec.target, spec.mlp)}
+    def build_layer(self, spec: HeadSpec) -> tuple[nn.Module, nn.Module, type]:
+        layer, rotary, cache_type = TARGET_KINDS[spec.target.model_type].head_layer(spec.target, spec.mlp)
+        if not spec.kind.math.layer_input_norm:
+            layer.input_layernorm = nn.Identity()
+        return layer, rotary, cache_type
 
 
 def load_draft(path: str | Path, target: TargetModel) -> MTPDraft:
@@ -190,14 +57,11 @@ def load_draft(path: str | Path, target: TargetModel) -> MTPDraft:
     config = json.loads((path / CONFIG).read_text())
     spec = HeadSpec.from_config(config, f"{path / CONFIG}")
     check_head_fits_target(config, target.cfg)
-    if spec.kind.reads_aux:  # the layers it reads must be this target's
+    if spec.aux_layers:  # the layers it reads must be this target's
         check_aux_layers(spec.aux_layers, target.cfg.num_hidden_layers, f"{path / CONFIG}: aux_layers")
     tensors = load_file(str(path / WEIGHTS))
     for name, shared in config.get("shared_with_target", {}).items():
         if not shared and f"{name}.weight" not in tensors:
             raise ValueError(f"{path}: config.json says {name} is not shared, but head.safetensors lacks it")
-    draft_class = importlib.import_module(spec.kind.serving).DRAFT  # the head kind's serving module
+    draft_class: type[Draft] = resolve_class(spec.kind.serving)  # the head kind's serving class
     return draft_class.from_tensors(spec, tensors, target)
-
-
-DRAFT = MTPDraft  # what this module serves, for `HEAD_KINDS[...].serving`

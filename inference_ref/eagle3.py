@@ -1,5 +1,5 @@
-"""The EAGLE-3 draft head for serving (Llama-kind targets): `MTPDraft`'s cache, prefill/refill and
-chained steps, with EAGLE-3's fc over the target's auxiliary states, its 2H-input layer and a draft
+"""The EAGLE-3 draft head for serving (Llama-kind targets): `draft_base.Draft`'s cache, prefill/refill
+and chained steps, with EAGLE-3's fc over the target's auxiliary states, its 2H-input layer and a draft
 vocabulary.
 
     g = fc([a_1; …; a_n]) (from the target: the states the verify forward captured) or y (chained)
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from inference_ref.causal_lm import KVCache, RMSNorm
-from inference_ref.draft import MTPDraft, fuse_head_state
+from inference_ref.draft_base import Draft, fuse_head_state
 from inference_ref.head_spec import HeadSpec
 from inference_ref.models.llama import MLP, Attention, Rotary
 
@@ -42,18 +42,12 @@ class Eagle3DecoderLayer(nn.Module):
         return y + self.mlp(self.post_attention_layernorm(y))
 
 
-class Eagle3Draft(MTPDraft):
-    def __init__(self, spec: HeadSpec):
-        nn.Module.__init__(self)
-        self.spec, t = spec, spec.target
-        self.fc = nn.Linear(len(spec.aux_layers) * t.hidden_size, t.hidden_size, bias=False)
-        self.layer, self.rotary, self.cache_type = Eagle3DecoderLayer(t), Rotary(t), KVCache
-        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
-        self.register_buffer("d2t", torch.zeros(spec.vocab, dtype=torch.long))
+class Eagle3Draft(Draft):
+    """EAGLE-3's 2H-input layer on what every draft shares (`Draft`); fc and norm from
+    `head_spec.Eagle3Math`, d2t always held (the engines' files carry it)."""
 
-    @property
-    def capture(self) -> tuple[int, ...]:
-        return self.spec.aux_layers
+    def build_layer(self, spec: HeadSpec) -> tuple[nn.Module, nn.Module, type]:
+        return Eagle3DecoderLayer(spec.target), Rotary(spec.target), KVCache
 
     def fuse(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The layer's q|k|v and gate|up fused as the Llama target's; hidden_norm and d2t as they are."""
@@ -61,6 +55,3 @@ class Eagle3Draft(MTPDraft):
             **fuse_head_state(tensors, self.spec),
             "layer.hidden_norm.weight": tensors["layer.hidden_norm.weight"],
         }
-
-
-DRAFT = Eagle3Draft  # what this module serves, for `HEAD_KINDS[...].serving`

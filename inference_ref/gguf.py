@@ -1,7 +1,8 @@
 """GGUF (llama.cpp) Llama checkpoints: de-quantize to float and map to Hugging Face names.
 
 `convert_gguf` writes a plain Hugging Face directory (config.json, model.safetensors, tokenizer
-with its chat template) once, so that every later stage reads one kind of checkpoint.
+with its chat template) once, so that every later stage reads one kind of checkpoint; `load_gguf`
+builds the target from the file directly. This module imports the Llama model, never the reverse.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inference_ref.models.llama import LlamaConfig
+from inference_ref.models.llama import LlamaConfig, LlamaModel, build_model, fuse_hf_state_dict
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -89,6 +90,12 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
             w = _unpermute(w, cfg.num_key_value_heads)
         out[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
     return cfg, out
+
+
+def load_gguf(path: str | Path, device="cpu", dtype=torch.float32) -> LlamaModel:
+    """A Llama target straight from a `.gguf` file (the converted directory is what stages load)."""
+    cfg, hf = read_gguf(path)
+    return build_model(cfg, fuse_hf_state_dict(hf, cfg), device, dtype)
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:

@@ -15,7 +15,7 @@ eagle3 (EAGLE-3; Llama-kind targets):
     y = g + attn([input_layernorm(embed(t_{i+1})); hidden_norm(g)]);  y += mlp(post_attention_layernorm(y))
     z = norm(y);  logits = lm_head_d(z) over the draft vocabulary (`d2t`: draft id → target id offset)
 
-`layer` is one decoder layer of the target's kind (`inference_ref.models.KINDS`).
+`layer` is one decoder layer of the target's kind (`inference_ref.models.TARGET_KINDS`).
 
 States handed to a head are the target's last-layer states, pre final norm, [.., H]; a target
 asked to `capture` auxiliary layers widens them to [.., (1 + n)·H], the first H columns staying
@@ -24,13 +24,15 @@ the last layer's (`causal_lm.widened`). Every head reads the columns it needs.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
+from torch import nn
 
-from inference_ref.models import KINDS, Config, kind_of
+from inference_ref.causal_lm import RMSNorm
+from inference_ref.models import TARGET_KINDS, Config, kind_of
 
 FORMAT, FORMAT_VERSION = "mtp-train-head", 1
 WEIGHTS, CONFIG = "head.safetensors", "config.json"
@@ -39,57 +41,156 @@ WEIGHTS, CONFIG = "head.safetensors", "config.json"
 SHARED = ("embed_tokens.weight", "lm_head.weight")
 
 
-class HeadKind(NamedTuple):
-    """One head kind: its structure, and where it is trained, served and exported."""
+Symbolic = dict[str, tuple[str, ...]]
+"""Tensor names → symbolic shapes ("H", "2H", …), resolved against a target's dimensions."""
 
-    restored_norms: bool
-    """enorm / hnorm on the inputs, the layer's input_layernorm and a final norm (else none of them)."""
-    fc_bias: bool
-    """Whether `fc` has a bias."""
-    reads_aux: bool
-    """Its first step reads the target's auxiliary layers' states (EAGLE-3), not the last layer's."""
-    feature_loss: bool
-    """Whether training regresses z to final_norm(h_{i+1}) (`train.w_h`); EAGLE-3 drops that term."""
-    target_kinds: tuple[str, ...] | None
-    """The target kinds it can be built for (None: every kind)."""
+
+class HeadMath:
+    """A head kind's math on a module holding its tensors (the training head and the serving draft
+    alike): the modules of its own besides the decoder layer, the layer's input, and the output state."""
+
+    layer_input_norm = True
+    """Whether its decoder layer keeps the layer's input_layernorm."""
+    native_own: Symbolic = {}
+    """Its own tensors in the native head.safetensors (the decoder layer's are `layer.*`)."""
+
+    def own(self, spec: HeadSpec) -> dict[str, nn.Module]:
+        """fc and the norms, in the order they are built (the random init draws in this order)."""
+        raise NotImplementedError
+
+    def project(self, head, e: torch.Tensor, state: torch.Tensor, final_norm: Callable, from_target: bool):
+        """The layer's input from the next token's embedding `e` and `state`: the target's (maybe
+        widened) pre-norm states (an entry made from the target) or the head's own y (a chained step)."""
+        raise NotImplementedError
+
+    def output_state(self, head, y: torch.Tensor) -> torch.Tensor:
+        """z: the state whose logits are taken (and that training regresses to final_norm(h_{i+1}))."""
+        return head.norm(y)
+
+
+class RestoredMath(HeadMath):
+    """e = enorm(embed(t_{i+1})); g = hnorm(h_i); x = fc([e; g]); z = norm(y)."""
+
+    native_own = {
+        "enorm.weight": ("H",),
+        "hnorm.weight": ("H",),
+        "fc.weight": ("H", "2H"),
+        "layer.input_layernorm.weight": ("H",),
+        "norm.weight": ("H",),
+    }
+
+    def own(self, spec):
+        h, eps = spec.target.hidden_size, spec.target.rms_norm_eps
+        norms = {name: RMSNorm(h, eps) for name in ("enorm", "hnorm", "norm")}
+        return {**norms, "fc": nn.Linear(2 * h, h, bias=False)}
+
+    def project(self, head, e, state, final_norm, from_target):
+        if from_target:  # the last layer's state: the first H columns of widened states
+            state = state[..., : head.spec.target.hidden_size]
+        return head.fc(torch.cat([head.enorm(e), head.hnorm(state)], -1))
+
+
+class Eagle1Math(HeadMath):
+    """f = final_norm(h); x = fc([embed(t_{i+1}); f_i]) with bias; no input norm; z = y."""
+
+    layer_input_norm = False
+    native_own = {"fc.weight": ("H", "2H"), "fc.bias": ("H",)}
+
+    def own(self, spec):
+        h = spec.target.hidden_size
+        return {"fc": nn.Linear(2 * h, h, bias=True)}
+
+    def project(self, head, e, state, final_norm, from_target):
+        # eagle1 reads features f = final_norm(h); its own y already lives in that space.
+        f = final_norm(state) if from_target else state
+        return head.fc(torch.cat([e, f], -1))
+
+    def output_state(self, head, y):
+        return y
+
+
+class Eagle3Math(HeadMath):
+    """g = fc([a_1; …; a_n]) (chained steps: g = y); the layer gets [e; g] and normalizes each half
+    itself (input_layernorm, hidden_norm); z = norm(y)."""
+
+    native_own = {"fc.weight": ("H", "nH"), "norm.weight": ("H",), "d2t": ("Vd",)}
+
+    def own(self, spec):
+        h = spec.target.hidden_size
+        return {
+            "fc": nn.Linear(len(spec.aux_layers) * h, h, bias=False),
+            "norm": RMSNorm(h, spec.target.rms_norm_eps),
+        }
+
+    def project(self, head, e, state, final_norm, from_target):
+        h = head.spec.target.hidden_size
+        g = head.fc(state[..., h:]) if from_target else state
+        return torch.cat([e, g], -1)
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    """One head kind: its math, where it is trained, served and exported, and the few facts the
+    stages read of it. Adding a kind: its math here, a training and a serving module, one entry."""
+
+    math: HeadMath
     training: str
-    """The module that trains it."""
+    """`module:Class` of the training head (an `mtp_train.heads.base.DraftHead`)."""
     serving: str
-    """The module that serves it."""
+    """`module:Class` of the serving draft (an `inference_ref.draft_base.Draft`)."""
     layouts: tuple[str, ...]
     """The export layouts that can hold it (`native` always; engine layouts where one exists)."""
+    feature_loss: bool = True
+    """Whether training regresses z to final_norm(h_{i+1}) (`train.w_h`); EAGLE-3 drops that term."""
+    target_kinds: tuple[str, ...] | None = None
+    """The target kinds it can be built for (None: every kind)."""
+    fuses_aux: bool = False
+    """Its first step fuses the target's auxiliary layers' states (EAGLE-3), not the last layer's."""
+    engine_files_hold_shared: bool = False
+    """Its engine layouts carry the lm_head rows (and embeddings) themselves, not the target's."""
 
+    def aux_layers(self, configured: tuple[int, ...] | None, num_layers: int) -> tuple[int, ...]:
+        """The target layers it reads besides the last: `configured`, or the engines' default."""
+        if not self.fuses_aux:
+            return ()
+        return tuple(configured) if configured is not None else default_aux_layers(num_layers)
+
+    def default_draft_vocab(self, vocab_size: int) -> int:
+        """A draft vocabulary where none is configured: EAGLE-3's 32k for a large vocabulary."""
+        return DRAFT_VOCAB if self.fuses_aux and vocab_size >= 100_000 else 0
+
+    @property
+    def always_d2t(self) -> bool:
+        """Whether its native file holds d2t even for the whole vocabulary (the engines' EAGLE-3 files do)."""
+        return self.fuses_aux
+
+
+# EAGLE-3's draft vocabulary where the target's is large (Llama-3's 128k): 32,000 tokens, the size of
+# the EAGLE reference's and SpecForge's Llama-3 heads.
+DRAFT_VOCAB = 32_000
 
 HEAD_KINDS: dict[str, HeadKind] = {
     "rmsnorm-restored": HeadKind(
-        restored_norms=True,
-        fc_bias=False,
-        reads_aux=False,
-        feature_loss=True,
-        target_kinds=None,
-        training="mtp_train.heads.mtp",
-        serving="inference_ref.draft",
+        math=RestoredMath(),
+        training="mtp_train.heads.mtp:MTPHead",
+        serving="inference_ref.draft:MTPDraft",
         layouts=("native", "deepseek_mtp"),
     ),
     "eagle1": HeadKind(
-        restored_norms=False,
-        fc_bias=True,
-        reads_aux=False,
-        feature_loss=True,
-        target_kinds=None,
-        training="mtp_train.heads.mtp",
-        serving="inference_ref.draft",
+        math=Eagle1Math(),
+        training="mtp_train.heads.mtp:MTPHead",
+        serving="inference_ref.draft:MTPDraft",
         layouts=("native", "eagle1"),
     ),
     "eagle3": HeadKind(
-        restored_norms=True,
-        fc_bias=False,
-        reads_aux=True,
+        math=Eagle3Math(),
+        training="mtp_train.heads.eagle3:Eagle3Head",
+        serving="inference_ref.eagle3:Eagle3Draft",
+        layouts=("native", "eagle3", "speculators"),
         feature_loss=False,
         target_kinds=("llama", "qwen3"),  # engines serve both with a Llama draft layer
-        training="mtp_train.heads.eagle3",
-        serving="inference_ref.eagle3",
-        layouts=("native", "eagle3", "speculators"),
+        fuses_aux=True,
+        engine_files_hold_shared=True,
     ),
 }
 VARIANTS = tuple(HEAD_KINDS)
@@ -122,7 +223,7 @@ class HeadSpec:
                 f"EAGLE-3 loaders), this target is {self.target.model_type}"
             )
         check_mlp(self.mlp, self.target.model_type, "model.head_mlp")
-        if self.kind.reads_aux:
+        if self.kind.fuses_aux:
             check_aux_layers(self.aux_layers, self.target.num_hidden_layers, "model.aux_layers")
         if not 0 <= self.draft_vocab_size <= self.target.vocab_size:
             raise ValueError(
@@ -137,10 +238,6 @@ class HeadSpec:
     @property
     def kind(self) -> HeadKind:
         return HEAD_KINDS[self.variant]
-
-    @property
-    def restored(self) -> bool:
-        return self.kind.restored_norms
 
     @property
     def architecture(self) -> str:
@@ -158,8 +255,8 @@ class HeadSpec:
             "hidden_size": self.target.hidden_size,
             "vocab_size": self.target.vocab_size,
             "layer_config": self.target.to_hf(),
-            **({"aux_layers": list(self.aux_layers)} if self.kind.reads_aux else {}),
-            **({"draft_vocab_size": self.vocab} if self.kind.reads_aux or self.draft_vocab_size else {}),
+            **({"aux_layers": list(self.aux_layers)} if self.kind.fuses_aux else {}),
+            **({"draft_vocab_size": self.vocab} if self.kind.always_d2t or self.draft_vocab_size else {}),
         }
 
     @classmethod
@@ -188,13 +285,13 @@ class HeadSpec:
 
 def architecture(model_type: str) -> str:
     """The head's architecture name for a target kind (`LlamaMTPHead`, `DeepseekV2MTPHead`)."""
-    return KINDS[model_type].config.__name__.removesuffix("Config") + "MTPHead"
+    return TARGET_KINDS[model_type].config.__name__.removesuffix("Config") + "MTPHead"
 
 
 def check_mlp(mlp: str, kind: str, field: str) -> None:
     """The head layer's MLP option, checked alike where a head is trained (`model.head_mlp`) and
     where it is served (config.json's `mlp`): `moe` needs a target kind whose layers have experts."""
-    options = KINDS[kind].head_mlps
+    options = TARGET_KINDS[kind].head_mlps
     if mlp not in ("dense", "moe"):
         raise ValueError(f"{field}: {mlp!r} is not one of ('dense', 'moe')")
     if mlp not in options:
@@ -242,29 +339,8 @@ def check_head_fits_target(config: dict, target: Config, where: str = "head") ->
             )
 
 
-# ------------------------------------------------------------------------------------ the head's math
-# Training and serving modules both have `spec`, `fc` and, when restored, `enorm`, `hnorm`, `norm`.
-
-
-def project(
-    head, e: torch.Tensor, state: torch.Tensor, final_norm: Callable, from_target: bool
-) -> torch.Tensor:
-    """The layer's input from the next token's embedding `e` and `state`: the target's (maybe
-    widened) pre-norm states (an entry made from the target) or the head's own y (a chained step)."""
-    h = head.spec.target.hidden_size
-    if head.spec.kind.reads_aux:
-        # EAGLE-3: the layer gets [e; g] and normalizes each half itself (input_layernorm, hidden_norm).
-        g = head.fc(state[..., h:]) if from_target else state
-        return torch.cat([e, g], -1)
-    if from_target:
-        state = state[..., :h]
-    if head.spec.restored:
-        return head.fc(torch.cat([head.enorm(e), head.hnorm(state)], -1))
-    # eagle1 reads features f = final_norm(h); its own y already lives in that space.
-    f = final_norm(state) if from_target else state
-    return head.fc(torch.cat([e, f], -1))
-
-
-def output_state(head, y: torch.Tensor) -> torch.Tensor:
-    """z: the state whose logits are taken (and that training regresses to final_norm(h_{i+1}))."""
-    return head.norm(y) if head.spec.restored else y
+def resolve_class(path: str) -> type:
+    """The class a registry entry names as `module:Class` (imported on first use: the training
+    classes live in mtp_train, which inference_ref never imports at module level)."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)

@@ -7,8 +7,10 @@ cached forward, the acceptable prefix of the draft is kept plus one token from t
 correction at the first rejection, or the bonus after all k), and both caches commit what was kept.
 Rows accept different numbers of tokens, so each cache row advances by its own count.
 
-With a `tree.TreeShape` instead of k, each step drafts an EAGLE-2 dynamic tree and verifies all its
-nodes in one forward (`inference_ref.tree`); the rest of the loop is the same.
+The draft's shape is a `Chain` of k tokens, or a `tree.TreeShape`: then each step drafts an EAGLE-2
+dynamic tree and verifies all its nodes in one forward (`inference_ref.tree`); the rest of the loop
+is the same. Both say what a verify processes (`verify_tokens`), what it can accept
+(`most_accepted`) and how a report names them (`report_fields`).
 
 With an `SSD` setting (chains), every verify also scores what an asynchronous drafter would have
 got (`inference_ref.ssd`): whether the outcome (accepted count, the target's token) is among the
@@ -38,6 +40,38 @@ from inference_ref.generate import (
 from inference_ref.ssd import cache_hits, saguaro
 from inference_ref.target import Cache, TargetModel
 from inference_ref.tree import TreeShape, TreeStep
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A chain of k draft tokens per verify step (d_2 … d_k each drafted from the one before)."""
+
+    k: int
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ValueError(f"a chain of {self.k} draft tokens: k must be ≥ 1")
+
+    @property
+    def verify_tokens(self) -> int:
+        """Tokens one verify forward processes per row: the last committed token and the k drafted."""
+        return self.k + 1
+
+    @property
+    def most_accepted(self) -> int:
+        """Draft tokens one verify can accept at most."""
+        return self.k
+
+    @property
+    def cache_room(self) -> int:
+        """Cache entries a row needs past prompt + max_new_tokens: an active row has committed
+        < prompt + max_new_tokens − 1 entries and writes k + 1 past them; a row that finished may
+        have committed k + 1 more, and later steps still write k + 1 past those."""
+        return 2 * self.k + 1
+
+    def report_fields(self) -> dict:
+        """How a validation report describes the draft."""
+        return {"draft": "chain", "k": self.k}
 
 
 @dataclass(frozen=True)
@@ -122,29 +156,25 @@ def speculative_generate(
     prompts: list[list[int]],
     max_new_tokens: int,
     eos_ids: Sequence[int],
-    k: int | TreeShape,
+    shape: Chain | TreeShape,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     graph: bool = False,
     ssd: SSD | None = None,
 ) -> SpecOutput:
-    """Generate with the target, k ≥ 1 draft tokens per verify step (a chain), or a draft tree of
-    shape k (`inference_ref.tree`, eager); greedy at temperature 0. A `generator` must be on the
+    """Generate with the target, drafting a `Chain` of k ≥ 1 tokens per verify step or a draft tree
+    of `shape` (`inference_ref.tree`, eager); greedy at temperature 0. A `generator` must be on the
     target's device. `graph` (CUDA, greedy, chains): each step is one CUDA graph replay
     (`SpecStep`); the draft/target time split is then not measured. `ssd` (chains): score SSD's
     outcome prediction, which costs one more draft step per verify."""
     device = target.embed_tokens.weight.device
-    chain = not isinstance(k, TreeShape)
+    chain = isinstance(shape, Chain)  # which step runs: `SpecStep` (chains) or `TreeStep`
     if ssd and not chain:
         raise ValueError("SSD outcome prediction is defined for chains, not trees")
     eos = set(eos_ids)
-    stats = SpecStats(most_accepted(k), fan_outs=ssd.fan_outs if ssd else ())
+    stats = SpecStats(shape.most_accepted, fan_outs=ssd.fan_outs if ssd else ())
     clock = Clock(device)
-    # An active row has committed < prompt + max_new_tokens − 1 entries and writes k + 1 past them;
-    # a row that finished may have committed k + 1 more, and later steps still write k + 1 past those.
-    # A tree commits up to depth + 1 and writes `scratch` past its committed entries.
-    room = 2 * k + 1 if chain else k.depth + 1 + k.scratch
-    max_len = max(len(p) for p in prompts) + max_new_tokens + room
+    max_len = max(len(p) for p in prompts) + max_new_tokens + shape.cache_room
 
     with clock.time("target"):
         target_cache, hidden = prefill(target, prompts, max_len, draft.capture)
@@ -157,10 +187,10 @@ def speculative_generate(
     use_graph = chain and graph and device.type == "cuda" and temperature == 0 and target.tp_size == 1
     if chain:
         step = SpecStep(
-            target, draft, target_cache, draft_cache, k, temperature, generator, clock, use_graph, ssd
+            target, draft, target_cache, draft_cache, shape.k, temperature, generator, clock, use_graph, ssd
         )
     else:
-        step = TreeStep(target, draft, target_cache, draft_cache, k, temperature, generator, clock)
+        step = TreeStep(target, draft, target_cache, draft_cache, shape, temperature, generator, clock)
     step.start(last, y, torch.tensor(active, device=device))
     per_prompt = [[0, 0, 0] for _ in prompts]
     while any(active):
@@ -181,16 +211,6 @@ def speculative_generate(
     stats.draft_s, stats.target_s = clock.total["draft"], clock.total["target"]
     stats.graphed = use_graph
     return SpecOutput(outputs, stats, per_prompt)
-
-
-def most_accepted(k: int | TreeShape) -> int:
-    """Draft tokens one verify can accept at most: the chain's k, the tree's depth."""
-    return k.depth if isinstance(k, TreeShape) else k
-
-
-def verify_tokens(k: int | TreeShape) -> int:
-    """Tokens one verify forward processes per row: the last committed token and the drafted ones."""
-    return (k.nodes if isinstance(k, TreeShape) else k) + 1
 
 
 class SpecStep:

@@ -1,4 +1,4 @@
-"""A target of any registered kind (`inference_ref.models.KINDS`), chosen by its `config.json`'s
+"""A target of any registered kind (`inference_ref.models.TARGET_KINDS`), chosen by its `config.json`'s
 `model_type`: reading its config, loading it, and reading the tensors a head shares.
 
 Every kind's model is a `causal_lm.CausalLM` (`forward_packed`, `new_cache`, `forward_cached`,
@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from inference_ref.causal_lm import CausalLM
 from inference_ref.loading import EMBED, LM_HEAD, is_scale, read_tensors, safetensors_files
-from inference_ref.models import KINDS, Cache, kind_of
+from inference_ref.models import TARGET_KINDS, Cache, kind_of
 from inference_ref.models import Config as TargetConfig
 from inference_ref.models.llama import load_llama
 from inference_ref.quantization import quantize
@@ -26,7 +26,7 @@ TargetModel = CausalLM
 
 __all__ = [
     "Cache",
-    "KINDS",
+    "TARGET_KINDS",
     "TargetConfig",
     "TargetModel",
     "read_target_config",
@@ -81,7 +81,7 @@ def load_target(
         if tp > 1:
             model = tensor_parallel.load_parallel(path, cfg, tp_mesh, device, dtype)
         else:
-            model = KINDS[cfg.model_type].load(path, device, dtype)
+            model = TARGET_KINDS[cfg.model_type].load(path, device, dtype)
     if quantization == "fp8":
         quantize(model)
     elif quantization != "none":
@@ -95,7 +95,7 @@ def check_checkpoint(path: Path, cfg: TargetConfig) -> None:
     """Refuse a checkpoint whose tensor names or shapes do not match its config.json, naming the
     first mismatch (expected vs found): the shapes are read from the safetensors headers and set
     against those the kind's model of this config has, under the checkpoint's names."""
-    kind = KINDS[cfg.model_type]
+    kind = TARGET_KINDS[cfg.model_type]
     with torch.device("meta"):
         expected = {n: tuple(t.shape) for n, t in kind.hf_state_dict(kind.model(cfg)).items()}
     found = checkpoint_shapes(path)
@@ -133,7 +133,7 @@ def frozen_target_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """The tensors a head shares with its target (embeddings, final norm, lm_head; the embeddings
     again when tied), read by name only."""
     cfg = read_target_config(model_dir)
-    names = [n for n in KINDS[cfg.model_type].shared if not (cfg.tie_word_embeddings and n == LM_HEAD)]
+    names = [n for n in TARGET_KINDS[cfg.model_type].shared if not (cfg.tie_word_embeddings and n == LM_HEAD)]
     out = read_tensors(model_dir, names)
     out.setdefault(LM_HEAD, out[EMBED])
     return out

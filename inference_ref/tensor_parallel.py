@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from inference_ref.causal_lm import CausalLM
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, read_tensors, safetensors_files
-from inference_ref.models import KINDS
+from inference_ref.models import TARGET_KINDS
 
 GiB = 1 << 30
 
@@ -48,10 +48,10 @@ def device_mesh(tp_size: int, device: torch.device) -> DeviceMesh:
 
 def check_shardable(cfg, tp: int) -> None:
     """Refuse a kind or shape the plan cannot split `tp` ways, naming the field."""
-    if KINDS[cfg.model_type].fuse_layer is None:
+    if TARGET_KINDS[cfg.model_type].fuse_layer is None:
         raise ValueError(
             f"model.tp_size={tp}: tensor parallelism covers Llama-layer kinds "
-            f"({', '.join(k for k, v in KINDS.items() if v.fuse_layer)}), not {cfg.model_type} "
+            f"({', '.join(k for k, v in TARGET_KINDS.items() if v.fuse_layer)}), not {cfg.model_type} "
             "(its MLA/MoE layers need their own plan); use model.tp_size=1"
         )
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
@@ -120,7 +120,7 @@ def sharded_skeleton(cfg, mesh: DeviceMesh, device: torch.device, dtype: torch.d
     """The model's modules sharded over `mesh`, with uninitialized local storage on `device`."""
     check_shardable(cfg, mesh.size())
     with torch.device("meta"):
-        model = KINDS[cfg.model_type].model(cfg)
+        model = TARGET_KINDS[cfg.model_type].model(cfg)
     model.to(dtype=dtype)
     apply_plan(model, mesh)
     model.to_empty(device=device)
@@ -148,7 +148,7 @@ def load_parallel(path: Path, cfg, mesh: DeviceMesh, device, dtype) -> CausalLM:
     model = sharded_skeleton(cfg, mesh, device, dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
     tp = mesh.size()
-    fuse = KINDS[cfg.model_type].fuse_layer
+    fuse = TARGET_KINDS[cfg.model_type].fuse_layer
     with torch.no_grad():
         shared = read_tensors(path, [EMBED, FINAL_NORM] + ([] if cfg.tie_word_embeddings else [LM_HEAD]))
         put(params["embed_tokens.weight"], shared[EMBED].to(dtype))
@@ -189,7 +189,7 @@ def weight_bytes_per_rank(cfg, tp: int, bytes_per_weight: float) -> int:
     """The bytes of weights each of `tp` ranks holds: layers' linear maps and an untied vocabulary
     table split, norms and a tied table whole."""
     with torch.device("meta"):
-        model = KINDS[cfg.model_type].model(cfg)
+        model = TARGET_KINDS[cfg.model_type].model(cfg)
     total = 0
     split = set(plan(model)) if tp > 1 else set()
     for module_name, module in model.named_modules():

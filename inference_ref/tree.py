@@ -31,7 +31,7 @@ from inference_ref.target import Cache, TargetModel
 
 @dataclass(frozen=True)
 class TreeShape:
-    """A draft tree's budget."""
+    """A draft tree's budget (the other draft shape is `speculative.Chain`)."""
 
     depth: int
     """Most draft tokens on one path (the draft runs depth − 1 chained forwards per step)."""
@@ -56,6 +56,26 @@ class TreeShape:
     def scratch(self) -> int:
         """Cache slots a step writes past a row's committed entries, in either cache."""
         return max(self.nodes + 1, (self.depth - 1) * self.top_k, self.depth + 1)
+
+    @property
+    def verify_tokens(self) -> int:
+        """Tokens one verify forward processes per row: the root (the last committed token) and the nodes."""
+        return self.nodes + 1
+
+    @property
+    def most_accepted(self) -> int:
+        """Draft tokens one verify can accept at most: one path, the tree's depth."""
+        return self.depth
+
+    @property
+    def cache_room(self) -> int:
+        """Cache entries a row needs past prompt + max_new_tokens (as `speculative.Chain.cache_room`):
+        a step commits up to depth + 1 and writes `scratch` past its committed entries."""
+        return self.depth + 1 + self.scratch
+
+    def report_fields(self) -> dict:
+        """How a validation report describes the draft."""
+        return {"draft": "tree", "depth": self.depth, "top_k": self.top_k, "nodes": self.nodes}
 
 
 @dataclass

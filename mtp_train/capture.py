@@ -32,7 +32,7 @@ from mtp_train.data import Conversation, Sample, encode, iter_records, load_samp
 from mtp_train.precompute import encode_hidden, forward_batch, pack_by_length, run_header
 from mtp_train.run import Target, aux_layers_of
 from mtp_train.store import Record, ShardWriter, merge_manifests, read_shard, write_json_atomic
-from mtp_train.targets import check_same_target
+from mtp_train.target_files import check_same_target
 
 UNFINISHED = "unfinished: rerun mtp_train.regenerate with regenerate.capture=true to finish this store"
 TAIL_ROOM = 8

@@ -33,8 +33,8 @@ class ModelConfig:
     name: str = MISSING
     """Recipe name; also names the run directory."""
     target: str = MISSING
-    """Target checkpoint: a Hugging Face directory (Llama or DeepSeek-V2, by its config.json's
-    `model_type`), a Llama `.gguf` file, or `smollm2-135m-instruct` (demo)."""
+    """Target checkpoint: a Hugging Face directory (any kind of `inference_ref.models.TARGET_KINDS`,
+    by its config.json's `model_type`), a Llama `.gguf` file, or `smollm2-135m-instruct` (demo)."""
     variant: str = "rmsnorm-restored"
     """Head architecture: `rmsnorm-restored` (default), `eagle1` (the EAGLE paper's head, for
     ablations) or `eagle3` (EAGLE-3, Llama-kind targets; needs a store made with `precompute.aux`)."""
@@ -131,7 +131,7 @@ class RegenerateConfig:
     decode step replays a third of the kernels and takes 0.38–0.67× the time, after 8–17 s of
     compiling up to five shape variants (docs/benchmarks.md). Off by default: a regeneration of 0.8M
     new tokens ran slower with it; by extrapolation it pays from about 3M. Ignored on CPU and for
-    DeepSeek-V2 targets."""
+    DeepSeek-kind targets."""
     capture: bool = False
     """Also write the training store (`precompute.store_dir`, with `precompute`'s settings) from the
     states the target computes while answering, instead of running it over the answers again in
@@ -164,7 +164,7 @@ class PrecomputeConfig:
     compile: bool = True
     """On CUDA, fuse each layer's elementwise chains with torch.compile (`CausalLM.compile_layers`):
     1.25× at the Llama-3.1-8B shape after a 5.9 s compile (docs/benchmarks.md). Ignored on CPU and
-    for DeepSeek-V2 targets (not measured there)."""
+    for DeepSeek-kind targets (not measured there)."""
 
     def __post_init__(self):
         at_least("precompute", self, 1, "tokens_per_batch", "shard_tokens")
@@ -352,7 +352,8 @@ class ExportConfig:
     out_dir: str = "${run_dir}/export"
     """Where the exported layouts go."""
     formats: list[str] = field(default_factory=lambda: ["native"])
-    """Layouts to write: `native`, `deepseek_mtp`, `eagle1`."""
+    """Layouts to write: `native`, and the engine layouts the head's kind lists (`HeadKind.layouts`):
+    `deepseek_mtp` (restored), `eagle1`, `eagle3` and `speculators` (eagle3); docs/export.md."""
     store_shared: bool = False
     """Also store the embeddings and lm_head (they are normally shared with the target)."""
     dtype: str = "bfloat16"

@@ -1,7 +1,7 @@
 """Write a trained head in the native format (and engine layouts), and read it back for training.
 
 Native format, one directory (the contract inference_ref/draft.py reads; docs/export.md has the spec):
-    head.safetensors   the head's own tensors under MTPHead's state_dict names
+    head.safetensors   the head's own tensors under DraftHead's state_dict names
                        (+ embed_tokens.weight, lm_head.weight when stored rather than shared)
     config.json        format, version, architecture, variant, mlp, dtype, sizes, the target's layer
                        config, what is shared with the target, the target's identity, training metadata
@@ -42,46 +42,31 @@ from inference_ref.head_spec import (
 from inference_ref.target import TargetConfig, frozen_target_tensors
 from mtp_train.cli import one_line_errors
 from mtp_train.config import checked  # also registers the schema Hydra composes
-from mtp_train.heads import MTPHead, build
-from mtp_train.heads.kinds import LAYER_KINDS
-from mtp_train.layer_names import EAGLE3_BLOCK, Symbolic, check_layout, resolve
+from mtp_train.heads import DraftHead, build, head_class
+from mtp_train.layer_names import Symbolic, check_layout, resolve
 from mtp_train.run import Target
 from mtp_train.serving.layouts import LAYOUTS, LayoutUnsupported
-from mtp_train.targets import check_same_target
+from mtp_train.target_files import check_same_target
 
 ENGINE_WEIGHTS = "model.safetensors"  # engines read every *.safetensors of the draft directory
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-# Native names of the shared tensors (`head_spec.SHARED`) → the MTPHead buffers that hold the target's copies.
+# Native names of the shared tensors (`head_spec.SHARED`) → the DraftHead buffers that hold the target's copies.
 SHARED_BUFFERS = {"embed_tokens.weight": "embed_weight", "lm_head.weight": "lm_head_weight"}
 
-# The native tables: exactly MTPHead's state_dict. The head's own tensors per variant, and its
-# decoder layer under `layer.` with the checkpoint names of the target's kind (without the
-# input_layernorm, which only the rmsnorm-restored variant has).
-NATIVE_OWN: dict[str, Symbolic] = {
-    "rmsnorm-restored": {
-        "enorm.weight": ("H",),
-        "hnorm.weight": ("H",),
-        "fc.weight": ("H", "2H"),
-        "layer.input_layernorm.weight": ("H",),
-        "norm.weight": ("H",),
-    },
-    "eagle1": {"fc.weight": ("H", "2H"), "fc.bias": ("H",)},
-    "eagle3": {"fc.weight": ("H", "nH"), "norm.weight": ("H",), "d2t": ("Vd",)},
-}
+# The native table: exactly the training head's state_dict: its kind's own tensors (`HeadKind.math.native_own`),
+# its decoder layer under `layer.` (the head class's `native_block`), the shared ones where stored.
 NATIVE_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "lm_head.weight": ("Vd", "H")}
 
 
 def native_table(spec: HeadSpec, store_shared: bool) -> dict[str, tuple[int, ...]]:
     """The native head.safetensors' names and shapes: the kind's own tensors, its decoder layer
-    under `layer.` (from the target kind's training module), the shared ones where stored."""
-    block, dims = LAYER_KINDS[spec.target.model_type].native_block(spec.target, spec.mlp)
-    if spec.kind.reads_aux:
-        block = EAGLE3_BLOCK
+    under `layer.`, the shared ones where stored."""
+    block, dims = head_class(spec).native_block(spec)
     dims = {**dims, "Vd": spec.vocab, "nH": len(spec.aux_layers) * spec.target.hidden_size}
     vocabulary = {"d2t": ("Vd",)} if spec.draft_vocab_size else {}
     symbolic = {
-        **NATIVE_OWN[spec.variant],
+        **spec.kind.math.native_own,
         **vocabulary,
         **{f"layer.{name}": shape for name, shape in block.items()},
         **(NATIVE_SHARED if store_shared else {}),
@@ -93,7 +78,7 @@ def native_table(spec: HeadSpec, store_shared: bool) -> dict[str, tuple[int, ...
 
 
 def head_tensors(
-    head: MTPHead,
+    head: DraftHead,
     dtype: torch.dtype,
     store_shared: bool,
     params: Mapping[str, torch.Tensor] | None = None,
@@ -130,7 +115,7 @@ def check_finite_tensors(tensors: Mapping[str, torch.Tensor], what: str) -> None
 
 
 def head_config(
-    head: MTPHead, identity: dict, training: dict, dtype: torch.dtype, store_shared: bool
+    head: DraftHead, identity: dict, training: dict, dtype: torch.dtype, store_shared: bool
 ) -> dict:
     return {
         **head.spec.to_config(),
@@ -142,7 +127,7 @@ def head_config(
 
 
 def save_head(
-    head: MTPHead,
+    head: DraftHead,
     out_dir: str | Path,
     target_identity: dict,
     training: dict,
@@ -229,8 +214,8 @@ def check_head_matches_target(config: dict, head_dir: Path, target: TargetConfig
     check_same_target(identity, config["target"], f"head {head_dir} (trained for {trained_for})")
 
 
-def load_head(head_dir: str | Path, target: Target | str | Path) -> MTPHead:
-    """Rebuild a trainable MTPHead from a native head directory on the target it was trained for
+def load_head(head_dir: str | Path, target: Target | str | Path) -> DraftHead:
+    """Rebuild a trainable DraftHead from a native head directory on the target it was trained for
     (a resolved `Target`, or a target directory)."""
     target = target if isinstance(target, Target) else Target.resolve(str(target))
     head_dir = Path(head_dir)
@@ -271,7 +256,7 @@ def export(cfg) -> dict[str, Path]:
 
 
 def _layout_writer(
-    name: str, head: MTPHead, identity: dict, training: dict, dtype: torch.dtype, store_shared: bool
+    name: str, head: DraftHead, identity: dict, training: dict, dtype: torch.dtype, store_shared: bool
 ) -> Callable[[Path], None]:
     tensors = head_tensors(head, dtype, store_shared)
     if name == "native":
@@ -279,17 +264,14 @@ def _layout_writer(
         return lambda d: write_files(d, tensors, config)
     if name not in LAYOUTS:
         raise ValueError(f"export.formats: unknown layout {name!r} (known: native, {', '.join(LAYOUTS)})")
-    if head.spec.draft_vocab_size and not head.spec.kind.reads_aux:
-        raise LayoutUnsupported(
-            f"layout {name}: the engine's {head.spec.variant} loader scores the whole target vocabulary, "
-            f"this head a draft vocabulary of {head.spec.vocab} tokens (model.draft_vocab_size): export "
-            "it native, or train it with model.draft_vocab_size=null"
-        )
-    if (
-        head.spec.kind.reads_aux
-    ):  # the EAGLE-3 layouts hold the draft lm_head (and speculators the embeddings)
+    if head.spec.kind.engine_files_hold_shared:  # the EAGLE-3 layouts hold the draft lm_head (speculators the embeddings)
         tensors = head_tensors(head, dtype, store_shared=True)
-    layout = LAYOUTS[name](tensors, head.spec, identity)
+    layout = LAYOUTS[name](tensors, head.spec, identity)  # refuses a head it cannot hold, saying why
+    if name not in head.spec.kind.layouts:
+        raise LayoutUnsupported(
+            f"export.formats: layout {name} is not listed for {head.spec.variant} heads (their layouts: "
+            f"{', '.join(head.spec.kind.layouts)})"
+        )
     check_layout(layout.tensors, layout.table, f"layout {name}")
     return lambda d: write_files(d, layout.tensors, layout.config, ENGINE_WEIGHTS)
 

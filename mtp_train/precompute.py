@@ -60,7 +60,7 @@ from mtp_train.store import (
     quantize_fp8,
     write_json_atomic,
 )
-from mtp_train.targets import check_same_target, model_dtype
+from mtp_train.target_files import check_same_target, model_dtype
 
 DISK_MARGIN_BYTES = 1 << 30  # free space kept beyond the estimate: logs, checkpoints, a wrong guess
 DISK_MARGIN_FRACTION = 0.05

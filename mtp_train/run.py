@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from inference_ref.head_spec import HEAD_KINDS, HeadSpec, default_aux_layers
+from inference_ref.head_spec import HEAD_KINDS, VARIANTS, HeadSpec, default_aux_layers
 from inference_ref.target import TargetConfig, read_target_config
 from mtp_train.parallel import Ranks, launched_processes, launched_ranks, one_group
-from mtp_train.targets import default_device, model_dtype, resolve_target, target_identity
+from mtp_train.target_files import default_device, model_dtype, resolve_target, target_identity
 
 
 @dataclass(frozen=True)
@@ -81,25 +81,24 @@ def resolve_run(
     return Run(Target.resolve(model.target), device, dtype, model.quantization, ranks)
 
 
-# EAGLE-3's draft vocabulary where none is configured, for targets of ≥ 100k tokens (Llama 3's 128k):
-# the size of the EAGLE reference's and SpecForge's Llama-3 heads.
-DRAFT_VOCAB = 32_000
-
-
 def aux_layers_of(model, target: TargetConfig) -> tuple[int, ...]:
-    """`model.aux_layers`, or the engines' default for this target's depth."""
+    """`model.aux_layers`, or the engines' default for this target's depth (what a store keeps
+    with `precompute.aux`)."""
     if model.aux_layers is not None:
         return tuple(model.aux_layers)
     return default_aux_layers(target.num_hidden_layers)
 
 
 def head_spec(model, target: TargetConfig) -> HeadSpec:
-    """The head the `model` config group asks for on `target`."""
-    kind = HEAD_KINDS.get(model.variant)
-    eagle3 = kind is not None and kind.reads_aux
+    """The head the `model` config group asks for on `target` (its kind's defaults where unset:
+    the engines' aux layers, a draft vocabulary for a large target vocabulary)."""
+    if model.variant not in HEAD_KINDS:
+        raise ValueError(f"model.variant: {model.variant!r} is not one of {VARIANTS}")
+    kind = HEAD_KINDS[model.variant]
+    configured = None if model.aux_layers is None else tuple(model.aux_layers)
+    aux = kind.aux_layers(configured, target.num_hidden_layers)
     vocab = model.draft_vocab_size
     if vocab is None:
-        vocab = DRAFT_VOCAB if eagle3 and target.vocab_size >= 100_000 else 0
+        vocab = kind.default_draft_vocab(target.vocab_size)
     draft_vocab = 0 if vocab == target.vocab_size else vocab
-    aux = aux_layers_of(model, target) if eagle3 else ()
     return HeadSpec(model.variant, target, model.head_mlp, aux, draft_vocab)

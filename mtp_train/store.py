@@ -35,10 +35,11 @@ Readers memory-map the shards (no file descriptor is held per shard).
 from __future__ import annotations
 
 # ruff: noqa: E402  (the imports below come after `--help` is answered)
-from mtp_train.cli import answer_help_first
+from mtp_train.cli import answer_help_first, one_line_errors
 
-USAGE = """usage: python -m mtp_train.store verify|repair STORE_DIR
-  verify  check the manifest's counts and every shard's sha256
+USAGE = """usage: python -m mtp_train.store verify|repair STORE_DIR [--cached]
+  verify  check the manifest's counts and re-hash every shard (--cached: trust shards whose size
+          and modification time are those they had when they last hashed right, as training does)
   repair  drop damaged or missing shards (rerunning precompute recomputes their samples)"""
 answer_help_first(__name__, __file__, USAGE)  # before torch: it takes seconds to import
 
@@ -55,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtp_train.targets import check_same_target
+from mtp_train.target_files import check_same_target
 
 FORMAT = "mtp-train-store"
 VERSION = 1
@@ -473,11 +474,12 @@ class Store:
             hidden = dequantize_fp8(hidden, shard["hidden_scale"][a:b])
         return shard["input_ids"][a:b].long(), shard["loss_mask"][a:b].bool(), hidden
 
-    def verify(self) -> None:
+    def verify(self, full: bool = False) -> None:
         """Check the manifest's counts against its shards and every shard's sha256; raise naming the
-        first damaged shard and how to repair it. A shard whose size and modification time are
-        those it had when it last hashed right is not hashed again (`verified.json`), so a training
-        run pays the hashing once per store, not once per start."""
+        first damaged shard and how to repair it. Unless `full`, a shard whose size and modification
+        time are those it had when it last hashed right is not hashed again (`verified.json`), so a
+        training run pays the hashing once per store, not once per start; a corruption that keeps
+        size and time (bit rot, a tool that restores mtimes) is then found only by a `full` check."""
         shards = self.manifest["shards"]
         held = sum(s["samples"] for s in shards)
         if held != self.manifest["num_samples"]:
@@ -487,7 +489,7 @@ class Store:
             )
         cache_path = self.path / "verified.json"
         cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-        stale = [s for s in shards if cache.get(s["file"]) != self._stamp(s)]
+        stale = [s for s in shards if full or cache.get(s["file"]) != self._stamp(s)]
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             found = list(pool.map(self._shard_sha, stale))
         for shard, sha in zip(stale, found):
@@ -528,8 +530,13 @@ def repair(store_dir: str | Path) -> list[str]:
     recomputes exactly their samples: the shard file, its journal line and the rank and store
     manifests go (the journal is what a resumed precompute trusts). Returns the dropped files."""
     store_dir = Path(store_dir)
-    manifest = json.loads((store_dir / "manifest.json").read_text())
-    store = Store(store_dir)
+    try:
+        store = Store(store_dir)
+    except ValueError:  # a damaged manifest.json: precompute merges it again from the journals
+        for path in (store_dir / "manifest.json", store_dir / "verified.json"):
+            path.unlink(missing_ok=True)
+        return ["manifest.json"]
+    manifest = store.manifest
     damaged = [s["file"] for s in manifest["shards"] if store._shard_sha(s) != s["sha256"]]
     for path in store_dir.glob("journal-*.jsonl"):
         journal = Journal(path)
@@ -549,13 +556,23 @@ def repair(store_dir: str | Path) -> list[str]:
     return damaged
 
 
+@one_line_errors
 def main(argv: list[str]) -> None:
-    """`python -m mtp_train.store verify|repair STORE_DIR`."""
+    """`python -m mtp_train.store verify|repair STORE_DIR [--cached]`."""
+    cached = "--cached" in argv
+    argv = [a for a in argv if a != "--cached"]
     if len(argv) != 2 or argv[0] not in ("verify", "repair"):
         raise SystemExit(USAGE)
+    if not (Path(argv[1]) / "manifest.json").is_file():
+        raise FileNotFoundError(
+            f"{argv[1]}/manifest.json: no store manifest there (is it a store directory?)"
+        )
     if argv[0] == "verify":
-        Store(argv[1]).verify()
-        print(f"{argv[1]}: every shard intact")
+        Store(argv[1]).verify(full=not cached)
+        print(
+            f"{argv[1]}: every shard intact"
+            + (" (cached hashes trusted)" if cached else " (every shard re-hashed)")
+        )
         return
     dropped = repair(argv[1])
     print(

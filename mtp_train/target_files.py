@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from inference_ref.gguf import convert_gguf
-from inference_ref.target import KINDS, TargetConfig, read_target_config
+from inference_ref.target import TARGET_KINDS, TargetConfig, read_target_config
 from mtp_train.demo_target import cache_dir, smollm2_dir
 
 DEMO_TARGET = "smollm2-135m-instruct"
@@ -84,7 +84,7 @@ def check_same_target(expected: dict, found: dict, what: str) -> None:
 
 def random_hf_weights(cfg: TargetConfig, seed: int) -> dict[str, torch.Tensor]:
     """Random weights of `cfg`'s kind under Hugging Face names."""
-    kind = KINDS[cfg.model_type]
+    kind = TARGET_KINDS[cfg.model_type]
     return kind.hf_state_dict(kind.random(cfg, seed=seed))
 
 
@@ -96,11 +96,11 @@ def write_random_target(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = read_target_config(tokenizer_dir)
-    cfg = KINDS[kind].config(
+    cfg = TARGET_KINDS[kind].config(
         vocab_size=base.vocab_size,
         bos_token_id=base.bos_token_id,
         eos_token_ids=base.eos_token_ids,
-        **{**KINDS[kind].tiny, **shape},
+        **{**TARGET_KINDS[kind].tiny, **shape},
     )
     save_file(random_hf_weights(cfg, seed), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):

@@ -38,7 +38,7 @@ from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.progress import Progress
 from mtp_train.run import Run, Target, head_spec, resolve_run
 from mtp_train.store import Store
-from mtp_train.validate import DuringTraining
+from mtp_train.validate.during_training import DuringTraining
 
 
 def build_head(

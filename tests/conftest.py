@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mtp_train.demo_target import smollm2_dir
-from mtp_train.targets import write_random_target
+from mtp_train.target_files import write_random_target
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,15 +18,15 @@ from test_speculative import bigram_head, export_native, random_prompts, small_t
 from inference_ref.causal_lm import cu_seqlens_of  # noqa: E402
 from inference_ref.draft import load_draft  # noqa: E402
 from inference_ref.generate import generate  # noqa: E402
-from inference_ref.models import KINDS  # noqa: E402
-from inference_ref.speculative import speculative_generate  # noqa: E402
+from inference_ref.models import TARGET_KINDS  # noqa: E402
+from inference_ref.speculative import Chain, speculative_generate  # noqa: E402
 from inference_ref.target import load_target  # noqa: E402
 from inference_ref.tensor_parallel import device_mesh  # noqa: E402
 
 
 def save_target(model, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in KINDS["llama"].hf_state_dict(model).items()}
+    tensors = {k: v.contiguous() for k, v in TARGET_KINDS["llama"].hf_state_dict(model).items()}
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(model.cfg.to_hf()))
     return out
@@ -50,8 +50,8 @@ def compare(name: str, whole, sharded, draft_dir: Path, prompts: list[list[int]]
         "generate_equal": generate(sharded, prompts, 32, eos) == generate(whole, prompts, 32, eos),
     }
     for k in (1, 3):
-        a = speculative_generate(whole, load_draft(draft_dir, whole), prompts, 32, eos, k)
-        b = speculative_generate(sharded, load_draft(draft_dir, sharded), prompts, 32, eos, k)
+        a = speculative_generate(whole, load_draft(draft_dir, whole), prompts, 32, eos, Chain(k))
+        b = speculative_generate(sharded, load_draft(draft_dir, sharded), prompts, 32, eos, Chain(k))
         out[f"k{k}"] = {
             "tokens_equal": a.tokens == b.tokens,
             "counts_whole": [a.stats.steps, a.stats.tried, a.stats.accepted],

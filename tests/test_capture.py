@@ -21,7 +21,7 @@ from mtp_train.precompute import run_precompute
 from mtp_train.regenerate import regenerate
 from mtp_train.run import Target
 from mtp_train.store import Store
-from mtp_train.targets import write_random_target
+from mtp_train.target_files import write_random_target
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [

@@ -19,10 +19,10 @@ from inference_ref.causal_lm import cu_seqlens_of, packed_positions
 from inference_ref.draft import MTPDraft, load_draft
 from inference_ref.generate import at_positions, generate
 from inference_ref.head_spec import HeadSpec
-from inference_ref.models import KINDS
+from inference_ref.models import TARGET_KINDS
 from inference_ref.models import deepseek_v2 as ds
 from inference_ref.models.deepseek_v2 import DeepseekV2Config, DeepseekV2Model
-from inference_ref.speculative import speculative_generate
+from inference_ref.speculative import Chain, speculative_generate
 from inference_ref.target import frozen_target_tensors, load_target, read_target_config
 from mtp_train.batching import collate
 from mtp_train.export import export
@@ -32,7 +32,7 @@ from mtp_train.layer_names import check_layout
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.precompute import run_precompute
 from mtp_train.serving.layouts import deepseek_is_moe, deepseek_mtp_table
-from mtp_train.targets import target_identity, write_random_target
+from mtp_train.target_files import target_identity, write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation
 from tiny import assert_serves_as_trained
@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ["rmsnorm-restored", "eagle1"]
 MLPS = ["dense", "moe"]
 CONFIGS = {
-    "lite": DeepseekV2Config(vocab_size=256, **KINDS["deepseek_v2"].tiny),
-    "q-lora": DeepseekV2Config(vocab_size=256, **KINDS["deepseek_v2"].tiny, q_lora_rank=24),
+    "lite": DeepseekV2Config(vocab_size=256, **TARGET_KINDS["deepseek_v2"].tiny),
+    "q-lora": DeepseekV2Config(vocab_size=256, **TARGET_KINDS["deepseek_v2"].tiny, q_lora_rank=24),
 }
 
 
@@ -145,7 +145,7 @@ def bigram_pair(
     """A 64-token DeepSeek-V2 that is mostly a bigram model (large embeddings, small attention and
     MLP outputs), and a head whose fc passes the token's embedding through: a good, imperfect draft."""
     shape = {
-        **KINDS["deepseek_v2"].tiny,
+        **TARGET_KINDS["deepseek_v2"].tiny,
         "hidden_size": 32,
         "intermediate_size": 64,
         "moe_intermediate_size": 16,
@@ -176,7 +176,7 @@ def test_greedy_speculative_equals_target_alone(mlp, tmp_path):
     eos = [5]
     expected = generate(target, prompts, 32, eos)
     for k in (1, 3):
-        out = speculative_generate(target, draft, prompts, 32, eos, k)
+        out = speculative_generate(target, draft, prompts, 32, eos, Chain(k))
         assert out.tokens == expected, k
         assert out.stats.accept_rate[0] > 0.3 and out.stats.mean_accepted_len > 1.3
 

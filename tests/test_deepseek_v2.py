@@ -23,7 +23,7 @@ from inference_ref.models import deepseek_v2 as ds
 from inference_ref.models.deepseek_v2 import DeepseekV2Config, YarnScaling, load_deepseek_v2
 from inference_ref.models.deepseek_v2 import moe as moe_module
 from inference_ref.models.llama import LlamaConfig
-from inference_ref.speculative import speculative_generate
+from inference_ref.speculative import Chain, speculative_generate
 from tiny import tiny_deepseek
 
 # The registry's tiny shape with more layers and experts, and YaRN past the test sequences.
@@ -163,7 +163,7 @@ def test_speculative_decoding_through_the_latent_cache_equals_greedy(pair):
     draft.share(model, {})
     prompts = [[5, 6, 7, 8, 9], list(range(30, 47)), [100, 3, 200]]
     eos = list(model.cfg.eos_token_ids)
-    spec = speculative_generate(model, draft, prompts, max_new_tokens=20, eos_ids=eos, k=3)
+    spec = speculative_generate(model, draft, prompts, max_new_tokens=20, eos_ids=eos, shape=Chain(3))
     assert spec.tokens == generate(model, prompts, max_new_tokens=20, eos_ids=eos)
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.generate import generate
 from inference_ref.head_spec import HeadSpec
-from inference_ref.models import KINDS
+from inference_ref.models import TARGET_KINDS
 from inference_ref.models.deepseek_v3 import DeepseekV3Config
 from inference_ref.target import frozen_target_tensors, load_target, read_target_config
 from mtp_train.export import export, head_tensors
@@ -24,13 +24,13 @@ from mtp_train.heads import MTPHead
 from mtp_train.precompute import run_precompute
 from mtp_train.run import Target
 from mtp_train.serving.layouts import to_deepseek_mtp
-from mtp_train.targets import write_random_target
+from mtp_train.target_files import write_random_target
 from mtp_train.train import build_head, train
 from mtp_train.validate import run_validation
 from tiny import assert_tau_consistent
 
 REPO = Path(__file__).resolve().parent.parent
-CFG = DeepseekV3Config(vocab_size=256, **KINDS["deepseek_v3"].tiny)
+CFG = DeepseekV3Config(vocab_size=256, **TARGET_KINDS["deepseek_v3"].tiny)
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -85,8 +85,8 @@ def test_deepseek_v3_greedy_decoding_is_transformers(twins):
 def test_fp8_block_scaled_checkpoints_load_as_they_are(tmp_path):
     """DeepSeek-V3's hub format: e4m3 weights with one scale per 128×128 tile (`weight_scale_inv`)
     and a `quantization_config`; read tile by tile into the model's weights."""
-    model = KINDS["deepseek_v3"].random(CFG, seed=0)
-    weights = {k: v.contiguous() for k, v in KINDS["deepseek_v3"].hf_state_dict(model).items()}
+    model = TARGET_KINDS["deepseek_v3"].random(CFG, seed=0)
+    weights = {k: v.contiguous() for k, v in TARGET_KINDS["deepseek_v3"].hf_state_dict(model).items()}
     name = "model.layers.1.self_attn.kv_b_proj.weight"
     w = weights[name]
     scale = w.abs().amax().reshape(1, 1) / 448.0  # one tile: this tiny weight is < 128 × 128

@@ -27,7 +27,7 @@ from mtp_train.serving.layouts import (
     eagle1_export,
     eagle3_export,
 )
-from mtp_train.targets import write_random_target
+from mtp_train.target_files import write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation
 from tiny import assert_serves_as_trained, assert_tau_consistent, tiny_deepseek, tiny_llama

@@ -29,7 +29,7 @@ from mtp_train.serving.layouts import (
     deepseek_mtp_export,
     eagle1_export,
 )
-from mtp_train.targets import target_identity, write_random_target
+from mtp_train.target_files import target_identity, write_random_target
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,6 +12,7 @@ import transformers
 from inference_ref import causal_lm
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.generate import generate, right_pad
+from inference_ref.gguf import load_gguf
 from inference_ref.models.llama import (
     LlamaModel,
     RopeScaling,
@@ -147,7 +148,7 @@ def test_incremental_decode_equals_full_forward():
 
 
 def test_gguf_loader_equals_converted_directory(smollm2, smol):
-    from_gguf = load_llama(smollm2_gguf())
+    from_gguf = load_gguf(smollm2_gguf())
     assert from_gguf.cfg == smol.cfg
     ours, theirs = from_gguf.state_dict(), smol.state_dict()
     assert ours.keys() == theirs.keys()

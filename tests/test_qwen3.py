@@ -15,27 +15,27 @@ from hydra import compose, initialize_config_dir
 
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.generate import generate
-from inference_ref.models import KINDS
+from inference_ref.models import TARGET_KINDS
 from inference_ref.models.qwen3 import Qwen3Config, random_qwen3
 from inference_ref.models.qwen3_moe import Qwen3MoeConfig
 from inference_ref.target import load_target, read_target_config
 from mtp_train.export import export
 from mtp_train.precompute import run_precompute
-from mtp_train.targets import write_random_target
+from mtp_train.target_files import write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation
 from tiny import assert_serves_as_trained
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {
-    "tied": Qwen3Config(vocab_size=256, **KINDS["qwen3"].tiny),
+    "tied": Qwen3Config(vocab_size=256, **TARGET_KINDS["qwen3"].tiny),
     "untied-mha": Qwen3Config(
-        vocab_size=256, **{**KINDS["qwen3"].tiny, "tie_word_embeddings": False, "num_key_value_heads": 4}
+        vocab_size=256, **{**TARGET_KINDS["qwen3"].tiny, "tie_word_embeddings": False, "num_key_value_heads": 4}
     ),
     # Qwen3-MoE: a dense layer 0 (mlp_only_layers) then 8 experts, top 2, renormalized or not.
-    "moe": Qwen3MoeConfig(vocab_size=256, **KINDS["qwen3_moe"].tiny),
+    "moe": Qwen3MoeConfig(vocab_size=256, **TARGET_KINDS["qwen3_moe"].tiny),
     "moe-unnormalized": Qwen3MoeConfig(
-        vocab_size=256, **{**KINDS["qwen3_moe"].tiny, "norm_topk_prob": False, "mlp_only_layers": ()}
+        vocab_size=256, **{**TARGET_KINDS["qwen3_moe"].tiny, "norm_topk_prob": False, "mlp_only_layers": ()}
     ),
 }
 HF_CLASSES = {
@@ -95,7 +95,7 @@ def test_the_registry_builds_qwen3_round_trip(tmp_path):
     """Random weights → Hugging Face names → our loader, the kind found by its model_type."""
     cfg = CONFIGS["untied-mha"]
     model = random_qwen3(cfg, seed=3)
-    state = KINDS["qwen3"].hf_state_dict(model)
+    state = TARGET_KINDS["qwen3"].hf_state_dict(model)
     assert state["model.layers.0.self_attn.q_norm.weight"].shape == (cfg.head_dim,)
     from safetensors.torch import save_file
 

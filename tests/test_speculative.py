@@ -18,7 +18,7 @@ from inference_ref.causal_lm import cu_seqlens_of, packed_positions
 from inference_ref.draft import MTPDraft, load_draft
 from inference_ref.generate import at_positions, generate
 from inference_ref.models.llama import LlamaModel, load_llama, random_llama
-from inference_ref.speculative import speculative_generate
+from inference_ref.speculative import Chain, speculative_generate
 from inference_ref.tree import TreeShape
 from mtp_train.head_attention import Segments
 from mtp_train.heads import HeadSpec, MTPHead
@@ -252,7 +252,7 @@ def test_greedy_equals_target_alone_with_a_good_draft(variant, tmp_path):
     eos = [5]  # a frequent token, so rows stop at different steps
     expected = generate(target, prompts, 40, eos)
     for k in (1, 2, 3, 4):
-        out = speculative_generate(target, draft, prompts, 40, eos, k)
+        out = speculative_generate(target, draft, prompts, 40, eos, Chain(k))
         assert out.tokens == expected, k
         assert out.stats.accept_rate[0] > 0.3 and out.stats.mean_accepted_len > 1.3
 
@@ -266,7 +266,7 @@ def test_the_graph_captured_step_run_eagerly_equals_target_alone(monkeypatch, tm
     target = small_target()
     draft = serve(bigram_head(target, "rmsnorm-restored"), target, tmp_path)
     prompts = random_prompts(64, (3, 9, 17, 1, 6, 30))
-    out = speculative_generate(target, draft, prompts, 40, [5], 3)
+    out = speculative_generate(target, draft, prompts, 40, [5], Chain(3))
     assert out.tokens == generate(target, prompts, 40, [5]) and out.stats.mean_accepted_len > 1.3
 
 
@@ -275,7 +275,10 @@ def test_greedy_equals_target_alone_with_a_random_head(tiny, tmp_path):
     prompts = random_prompts(tiny.cfg.vocab_size, (5, 12, 2, 20))
     expected = generate(tiny, prompts, 24, tiny.cfg.eos_token_ids)
     for k in (1, 2, 3, 4):
-        assert speculative_generate(tiny, draft, prompts, 24, tiny.cfg.eos_token_ids, k).tokens == expected
+        assert (
+            speculative_generate(tiny, draft, prompts, 24, tiny.cfg.eos_token_ids, Chain(k)).tokens
+            == expected
+        )
 
 
 def test_greedy_equals_target_alone_on_smollm2(smollm2, tmp_path):
@@ -292,7 +295,7 @@ def test_greedy_equals_target_alone_on_smollm2(smollm2, tmp_path):
     eos = target.cfg.eos_token_ids
     expected = generate(target, prompts, 24, eos)
     for k in (1, 2, 3, 4):
-        assert speculative_generate(target, draft, prompts, 24, eos, k).tokens == expected, k
+        assert speculative_generate(target, draft, prompts, 24, eos, Chain(k)).tokens == expected, k
 
 
 def test_loop_acceptance_equals_teacher_forced_chain(tmp_path):
@@ -303,7 +306,7 @@ def test_loop_acceptance_equals_teacher_forced_chain(tmp_path):
     target = small_target()
     head = bigram_head(target, "rmsnorm-restored")
     prompts = random_prompts(64, (4, 11, 7))
-    stats = speculative_generate(target, serve(head, target, tmp_path), prompts, max_new, [], k).stats
+    stats = speculative_generate(target, serve(head, target, tmp_path), prompts, max_new, [], Chain(k)).stats
 
     tried, accepted = [0] * k, [0] * k
     for prompt, more in zip(prompts, generate(target, prompts, max_new + k + 1, [])):
@@ -369,7 +372,7 @@ def sampled_run(k: int, temperature: float, draft: str, tmp_path: Path, runs: in
     prompt = [3, 14, 15, 9]
     g = torch.Generator().manual_seed(0)
     out = speculative_generate(
-        target, serve(head, target, tmp_path), [prompt] * runs, 3, [], k, temperature, g
+        target, serve(head, target, tmp_path), [prompt] * runs, 3, [], Chain(k), temperature, g
     )
     return out, exact_joint(target, prompt, temperature)
 
@@ -392,15 +395,15 @@ def test_the_distribution_test_detects_a_wrong_sampler(draft, tmp_path, monkeypa
     assert chi_square_pvalue(out.tokens, probs) < 1e-3
 
 
-@pytest.mark.parametrize("k", [3, TreeShape(3, 3, 8)], ids=["chain", "tree"])
-def test_sampling_is_reproducible(k, tmp_path):
+@pytest.mark.parametrize("shape", [Chain(3), TreeShape(3, 3, 8)], ids=["chain", "tree"])
+def test_sampling_is_reproducible(shape, tmp_path):
     target = small_target()
     draft = serve(bigram_head(target, "eagle1"), target, tmp_path)
     prompts = random_prompts(64, (3, 8, 5))
 
     def run(seed: int):
         g = torch.Generator().manual_seed(seed)
-        return speculative_generate(target, draft, prompts, 20, [], k, 1.0, g).tokens
+        return speculative_generate(target, draft, prompts, 20, [], shape, 1.0, g).tokens
 
     assert run(0) == run(0) != run(1)
 
@@ -410,8 +413,8 @@ def test_padding_does_not_leak_into_the_draft(tmp_path):
     target = small_target()
     draft = serve(bigram_head(target, "rmsnorm-restored"), target, tmp_path)
     prompts = random_prompts(64, (2, 19, 6))
-    together = speculative_generate(target, draft, prompts, 25, [], 3)
-    alone = [speculative_generate(target, draft, [p], 25, [], 3) for p in prompts]
+    together = speculative_generate(target, draft, prompts, 25, [], Chain(3))
+    alone = [speculative_generate(target, draft, [p], 25, [], Chain(3)) for p in prompts]
     assert together.tokens == [a.tokens[0] for a in alone]
     assert together.stats.accepted == [sum(a.stats.accepted[j] for a in alone) for j in range(3)]
 
@@ -426,21 +429,21 @@ def test_cuda_loop(dtype, tmp_path):
     assert target.rotary.inv_freq.dtype == torch.float32
     draft = serve(head, target, tmp_path)
     prompts = random_prompts(64, (3, 9, 17, 1, 6, 30))
-    out = speculative_generate(target, draft, prompts, 40, [5], 3)
+    out = speculative_generate(target, draft, prompts, 40, [5], Chain(3))
     assert out.stats.mean_accepted_len > 1.3 and out.stats.target_s > 0
-    graphed = speculative_generate(target, draft, prompts, 40, [5], 3, graph=True)
+    graphed = speculative_generate(target, draft, prompts, 40, [5], Chain(3), graph=True)
     if dtype == torch.float32:
         assert out.tokens == generate(target, prompts, 40, [5]) == graphed.tokens
         assert graphed.stats.accepted == out.stats.accepted
-    one = speculative_generate(target, draft, prompts[:1], 40, [5], 3, graph=True)  # batch 1
+    one = speculative_generate(target, draft, prompts[:1], 40, [5], Chain(3), graph=True)  # batch 1
     assert len(one.tokens[0]) > 0
 
     def sampled(seed: int):
         g = torch.Generator("cuda").manual_seed(seed)
-        return speculative_generate(target, draft, prompts, 20, [], 3, 1.0, g).tokens
+        return speculative_generate(target, draft, prompts, 20, [], Chain(3), 1.0, g).tokens
 
     assert sampled(0) == sampled(0)
     if dtype == torch.float32:  # the target's layers compiled: fused kernels, the same tokens
         target.compile_layers()
-        fused = speculative_generate(target, draft, prompts, 40, [5], 3, graph=True)
+        fused = speculative_generate(target, draft, prompts, 40, [5], Chain(3), graph=True)
         assert fused.tokens == out.tokens and target.compile_proven == {"cached"}

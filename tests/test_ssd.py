@@ -59,15 +59,15 @@ def test_geometric_fan_out_spends_the_budget_where_outcomes_are_likely():
 def test_ssd_bookkeeping_changes_nothing_and_a_whole_vocabulary_cache_always_hits(tmp_path):
     from test_speculative import bigram_head, random_prompts, serve, small_target
 
-    from inference_ref.speculative import SSD, speculative_generate
+    from inference_ref.speculative import SSD, Chain, speculative_generate
 
     target = small_target()
     draft = serve(bigram_head(target, "rmsnorm-restored"), target, tmp_path)
     prompts = random_prompts(64, (3, 9, 17, 1, 6, 30))
     vocab = target.cfg.vocab_size
     for k in (1, 3):
-        plain = speculative_generate(target, draft, prompts, 40, [5], k)
-        scored = speculative_generate(target, draft, prompts, 40, [5], k, ssd=SSD((1, 2, 8, vocab)))
+        plain = speculative_generate(target, draft, prompts, 40, [5], Chain(k))
+        scored = speculative_generate(target, draft, prompts, 40, [5], Chain(k), ssd=SSD((1, 2, 8, vocab)))
         assert scored.tokens == plain.tokens
         assert (scored.stats.tried, scored.stats.accepted) == (plain.stats.tried, plain.stats.accepted)
         rate = scored.stats.hit_rate
@@ -79,7 +79,7 @@ def test_ssd_bookkeeping_changes_nothing_and_a_whole_vocabulary_cache_always_hit
 def test_saguaro_sampling_keeps_the_target_distribution_and_raises_hits(tmp_path):
     from test_speculative import bigram_head, chi_square_pvalue, exact_joint, serve, small_target
 
-    from inference_ref.speculative import SSD, speculative_generate
+    from inference_ref.speculative import SSD, Chain, speculative_generate
 
     target = small_target()
     draft = serve(bigram_head(target, "eagle1"), target, tmp_path)
@@ -88,7 +88,7 @@ def test_saguaro_sampling_keeps_the_target_distribution_and_raises_hits(tmp_path
     def sampled(factor: float):
         g = torch.Generator().manual_seed(0)
         ssd = SSD((1, 4), saguaro_factor=factor, saguaro_fan_out=4)
-        return speculative_generate(target, draft, [prompt] * runs, 3, [], 2, 1.0, g, ssd=ssd)
+        return speculative_generate(target, draft, [prompt] * runs, 3, [], Chain(2), 1.0, g, ssd=ssd)
 
     plain, reshaped = sampled(1.0), sampled(0.2)
     assert chi_square_pvalue(reshaped.tokens, exact_joint(target, prompt, 1.0)) > 1e-3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -19,9 +20,10 @@ from mtp_train.store import (
     merge_manifests,
     quantize_fp8,
     read_shard,
+    repair,
     shard_name,
 )
-from mtp_train.targets import target_identity, write_random_target
+from mtp_train.target_files import target_identity, write_random_target
 
 H = 16
 IDENTITY = {"path": "/t", "config_hash": "c", "tokenizer_hash": "t", "chat_template_hash": "j"}
@@ -285,6 +287,32 @@ def test_verify_detects_a_flipped_byte(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=f"shard {victim} is corrupted"):
         Store(tmp_path).verify()
+
+
+def test_full_verify_finds_a_corruption_that_kept_size_and_mtime(tmp_path):
+    """The cached check trusts a shard whose size and mtime it has seen hash right; a full one
+    (`python -m mtp_train.store verify`, the CLI's default) re-reads it."""
+    store = write_store(tmp_path, make_records(20))
+    store.verify()
+    victim = store.manifest["shards"][1]["file"]
+    path = tmp_path / victim
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    Store(tmp_path).verify()  # cached: not re-read
+    with pytest.raises(ValueError, match=f"shard {victim} is corrupted"):
+        Store(tmp_path).verify(full=True)
+
+
+def test_repair_drops_an_unreadable_manifest(tmp_path):
+    write_store(tmp_path, make_records(6))
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="manifest.json: damaged"):
+        Store(tmp_path)
+    assert repair(tmp_path) == ["manifest.json"]
+    assert not (tmp_path / "manifest.json").exists()
 
 
 def test_incomplete_store_is_refused(tmp_path):

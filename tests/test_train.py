@@ -16,7 +16,7 @@ from hydra.errors import ConfigCompositionException
 
 import mtp_train.config  # noqa: F401  (registers the schema)
 from mtp_train.precompute import run_precompute
-from mtp_train.targets import write_random_target
+from mtp_train.target_files import write_random_target
 from mtp_train.train import train
 from tiny import assert_tau_consistent
 

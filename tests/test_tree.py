@@ -31,14 +31,14 @@ from inference_ref.causal_lm import KVCache
 from inference_ref.draft import MTPDraft, load_draft
 from inference_ref.generate import at_positions, generate, prefill
 from inference_ref.head_spec import HeadSpec
-from inference_ref.models import KINDS
+from inference_ref.models import TARGET_KINDS
 from inference_ref.models.llama import load_llama
-from inference_ref.speculative import draft_prefill, speculative_generate
+from inference_ref.speculative import Chain, draft_prefill, speculative_generate
 from inference_ref.target import frozen_target_tensors, read_target_config
 from inference_ref.tree import TreeShape, grow, verify
 from mtp_train.config import ConfigError, checked
 from mtp_train.heads import MTPHead, build
-from mtp_train.targets import target_identity
+from mtp_train.target_files import target_identity
 from mtp_train.validate import run_validation, summary
 from tiny import assert_tau_consistent
 
@@ -180,7 +180,7 @@ def test_greedy_tree_equals_target_alone_with_a_good_draft(variant, tmp_path):
     prompts = random_prompts(64, (3, 9, 17, 1, 6, 30))
     eos = [5]
     expected = generate(target, prompts, 40, eos)
-    chain = speculative_generate(target, draft, prompts, 40, eos, 4).stats.mean_accepted_len
+    chain = speculative_generate(target, draft, prompts, 40, eos, Chain(4)).stats.mean_accepted_len
     for shape in SHAPES:
         out = speculative_generate(target, draft, prompts, 40, eos, shape)
         assert out.tokens == expected, shape
@@ -194,7 +194,7 @@ def test_a_one_wide_tree_is_the_chain(tmp_path):
     draft = serve(bigram_head(target, "rmsnorm-restored"), target, tmp_path)
     prompts = random_prompts(64, (3, 9, 17, 1))
     for k in (1, 3):
-        chain = speculative_generate(target, draft, prompts, 30, [5], k)
+        chain = speculative_generate(target, draft, prompts, 30, [5], Chain(k))
         tree = speculative_generate(target, draft, prompts, 30, [5], TreeShape(k, 1, k))
         assert tree.tokens == chain.tokens
         assert (tree.stats.tried, tree.stats.accepted, tree.stats.steps) == (
@@ -233,7 +233,7 @@ def test_greedy_tree_equals_target_alone_on_smollm2(smollm2, tmp_path):
 
 def random_kind_pair(kind: str, tmp_path: Path, **shape):
     """A tiny random target of `kind` (vocabulary 64) and a random restored head on it."""
-    spec = KINDS[kind]
+    spec = TARGET_KINDS[kind]
     cfg = spec.config(vocab_size=64, **{**spec.tiny, **shape})
     target = spec.random(cfg, seed=0)
     head = randomized(MTPHead(HeadSpec("rmsnorm-restored", cfg), frozen_of(target)), seed=1, scale=0.05)

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import math
 
-from inference_ref.models import KINDS
+from inference_ref.models import TARGET_KINDS
 from inference_ref.models.deepseek_v2 import DeepseekV2Config
 from inference_ref.models.llama import LlamaConfig
 
 
 def tiny_llama(**changes) -> LlamaConfig:
     """The registry's tiny Llama shape (vocab 256 unless changed), with `changes`."""
-    return LlamaConfig(**{"vocab_size": 256, **KINDS["llama"].tiny, **changes})
+    return LlamaConfig(**{"vocab_size": 256, **TARGET_KINDS["llama"].tiny, **changes})
 
 
 def tiny_deepseek(**changes) -> DeepseekV2Config:
     """The registry's tiny DeepSeek-V2 shape (vocab 256 unless changed), with `changes`."""
-    return DeepseekV2Config(**{"vocab_size": 256, **KINDS["deepseek_v2"].tiny, **changes})
+    return DeepseekV2Config(**{"vocab_size": 256, **TARGET_KINDS["deepseek_v2"].tiny, **changes})
 
 
 def assert_tau_consistent(run: dict, k: int) -> None:

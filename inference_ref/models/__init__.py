@@ -1,10 +1,10 @@
 """The target kinds: one registry keyed by the `model_type` of a Hugging Face `config.json`.
 
-Each kind is one module (or small package) under `inference_ref/models/` and one entry in `KINDS`:
+Each kind is one module (or small package) under `inference_ref/models/` and one entry in `TARGET_KINDS`:
 its config class, model class, weight loader, random weights, the tiny debug shape, and how a draft
 head builds a layer of its kind. Outside it, a kind appears only where a format belongs to one kind:
 GGUF files (Llama), the engine layouts (`mtp_train/serving/layouts.py`), the EAGLE-3 head (Llama
-layers), and the training head's layer table (`mtp_train/heads/kinds.py`).
+layers), and the training head's layer table (`mtp_train/heads/layers.py`).
 Adding a kind: docs/design.md, "Adding a target kind".
 """
 
@@ -57,69 +57,69 @@ class TargetKind(NamedTuple):
     that have it are Llama-layered and shard over tensor parallelism (`inference_ref.tensor_parallel`)."""
 
 
-KINDS: dict[str, TargetKind] = {
+TARGET_KINDS: dict[str, TargetKind] = {
     llama.LlamaConfig.model_type: TargetKind(
-        llama.LlamaConfig,
-        llama.LlamaModel,
-        llama.load_llama,
-        llama.random_llama,
-        llama.hf_state_dict,
-        llama.head_layer,
-        llama.fuse_head_layer,
-        ("dense",),
-        llama.TINY,
+        config=llama.LlamaConfig,
+        model=llama.LlamaModel,
+        load=llama.load_llama,
+        random=llama.random_llama,
+        hf_state_dict=llama.hf_state_dict,
+        head_layer=llama.head_layer,
+        fuse_head_layer=llama.fuse_head_layer,
+        head_mlps=("dense",),
+        tiny=llama.TINY,
         fuse_layer=llama.fuse_layer,
     ),
     qwen3.Qwen3Config.model_type: TargetKind(
-        qwen3.Qwen3Config,
-        qwen3.Qwen3Model,
-        qwen3.load_qwen3,
-        qwen3.random_qwen3,
-        qwen3.hf_state_dict,
-        qwen3.head_layer,
-        qwen3.fuse_head_layer,
-        ("dense",),
-        qwen3.TINY,
+        config=qwen3.Qwen3Config,
+        model=qwen3.Qwen3Model,
+        load=qwen3.load_qwen3,
+        random=qwen3.random_qwen3,
+        hf_state_dict=qwen3.hf_state_dict,
+        head_layer=qwen3.head_layer,
+        fuse_head_layer=qwen3.fuse_head_layer,
+        head_mlps=("dense",),
+        tiny=qwen3.TINY,
         fuse_layer=llama.fuse_layer,
     ),
     qwen3_moe.Qwen3MoeConfig.model_type: TargetKind(
-        qwen3_moe.Qwen3MoeConfig,
-        qwen3_moe.Qwen3MoeModel,
-        qwen3_moe.load_qwen3_moe,
-        qwen3_moe.random_qwen3_moe,
-        qwen3_moe.hf_state_dict,
-        qwen3_moe.head_layer,
-        qwen3_moe.fuse_head_layer,
-        ("dense",),
-        qwen3_moe.TINY,
+        config=qwen3_moe.Qwen3MoeConfig,
+        model=qwen3_moe.Qwen3MoeModel,
+        load=qwen3_moe.load_qwen3_moe,
+        random=qwen3_moe.random_qwen3_moe,
+        hf_state_dict=qwen3_moe.hf_state_dict,
+        head_layer=qwen3_moe.head_layer,
+        fuse_head_layer=qwen3_moe.fuse_head_layer,
+        head_mlps=("dense",),
+        tiny=qwen3_moe.TINY,
     ),
     deepseek_v2.DeepseekV2Config.model_type: TargetKind(
-        deepseek_v2.DeepseekV2Config,
-        deepseek_v2.DeepseekV2Model,
-        deepseek_v2.load_deepseek_v2,
-        deepseek_v2.random_deepseek_v2,
-        deepseek_v2.hf_state_dict,
-        deepseek_v2.head_layer,
-        deepseek_v2.fuse_head_layer,
-        ("dense", "moe"),
-        deepseek_v2.TINY,
+        config=deepseek_v2.DeepseekV2Config,
+        model=deepseek_v2.DeepseekV2Model,
+        load=deepseek_v2.load_deepseek_v2,
+        random=deepseek_v2.random_deepseek_v2,
+        hf_state_dict=deepseek_v2.hf_state_dict,
+        head_layer=deepseek_v2.head_layer,
+        fuse_head_layer=deepseek_v2.fuse_head_layer,
+        head_mlps=("dense", "moe"),
+        tiny=deepseek_v2.TINY,
     ),
     deepseek_v3.DeepseekV3Config.model_type: TargetKind(
-        deepseek_v3.DeepseekV3Config,
-        deepseek_v2.DeepseekV2Model,
-        deepseek_v3.load_deepseek_v3,
-        deepseek_v2.random_deepseek_v2,
-        deepseek_v2.hf_state_dict,
-        deepseek_v2.head_layer,
-        deepseek_v2.fuse_head_layer,
-        ("dense", "moe"),
-        deepseek_v3.TINY,
+        config=deepseek_v3.DeepseekV3Config,
+        model=deepseek_v2.DeepseekV2Model,
+        load=deepseek_v3.load_deepseek_v3,
+        random=deepseek_v2.random_deepseek_v2,
+        hf_state_dict=deepseek_v2.hf_state_dict,
+        head_layer=deepseek_v2.head_layer,
+        fuse_head_layer=deepseek_v2.fuse_head_layer,
+        head_mlps=("dense", "moe"),
+        tiny=deepseek_v3.TINY,
     ),
 }
 
 
 def kind_of(model_type: str | None, where: str = "config.json") -> TargetKind:
     """The registry entry for `model_type`, refusing one no kind handles with the list of those that are."""
-    if model_type not in KINDS:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported ({', '.join(KINDS)})")
-    return KINDS[model_type]
+    if model_type not in TARGET_KINDS:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported ({', '.join(TARGET_KINDS)})")
+    return TARGET_KINDS[model_type]

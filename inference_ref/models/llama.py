@@ -1,7 +1,7 @@
 """Llama-family target (Llama 2/3.x, SmolLM2, ...): config, layers and weights.
 
 Projections are fused (q|k|v and gate|up) so each layer runs two large matmuls where the
-checkpoint has five. Loaded from a Hugging Face directory (safetensors) or a `.gguf` file.
+checkpoint has five. Loaded from a Hugging Face directory (safetensors); GGUF files through `inference_ref.gguf`.
 """
 
 from __future__ import annotations
@@ -342,16 +342,11 @@ def build_model(
 
 
 def load_llama(path: str | Path, device="cpu", dtype=torch.float32) -> LlamaModel:
-    """Load a target from a Hugging Face directory or a `.gguf` file."""
+    """Load a target from a Hugging Face directory (a `.gguf` file: `inference_ref.gguf.load_gguf`)."""
     path = Path(path)
-    if path.suffix == ".gguf":
-        from inference_ref.gguf import read_gguf
-
-        cfg, hf = read_gguf(path)
-    else:
-        cfg = read_config(path)
-        where = safetensors_files(path)
-        hf = read_tensors(path, [n for n in where if not n.endswith("rotary_emb.inv_freq")])
+    cfg = read_config(path)
+    where = safetensors_files(path)
+    hf = read_tensors(path, [n for n in where if not n.endswith("rotary_emb.inv_freq")])
     return build_model(cfg, fuse_hf_state_dict(hf, cfg), device, dtype)
 
 

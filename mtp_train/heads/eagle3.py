@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from inference_ref.causal_lm import RMSNorm
-from inference_ref.head_spec import HeadSpec
+from inference_ref.head_spec import HeadSpec, Symbolic
 from mtp_train.head_attention import Segments
+from mtp_train.heads.base import DraftHead
 from mtp_train.heads.llama import HeadAttention, HeadMLP
-from mtp_train.heads.mtp import MTPHead
+from mtp_train.layer_names import EAGLE3_BLOCK, llama_dims
 
 
 class Eagle3Layer(nn.Module):
@@ -44,19 +45,13 @@ class Eagle3Layer(nn.Module):
         return y + self.mlp(self.post_attention_layernorm(y))
 
 
-class Eagle3Head(MTPHead):
-    """`MTPHead`'s chained forward, loss interface and frozen buffers, with EAGLE-3's fc, layer and
-    draft vocabulary. `draft_ids` [Vd]: the target ids of the draft vocabulary, increasing (None:
-    the whole target vocabulary)."""
+class Eagle3Head(DraftHead):
+    """EAGLE-3's layer on what every head shares (`DraftHead`: chained forward, loss interface,
+    frozen buffers, draft vocabulary; fc and norm from `head_spec.Eagle3Math`)."""
 
-    def __init__(
-        self, spec: HeadSpec, frozen: dict[str, torch.Tensor], draft_ids: torch.Tensor | None = None
-    ):
-        nn.Module.__init__(self)
-        t = self.spec = spec
-        h = t.target.hidden_size
-        self.fc = nn.Linear(len(spec.aux_layers) * h, h, bias=False)
-        self.layer = Eagle3Layer(t.target)
-        self.norm = RMSNorm(h, t.target.rms_norm_eps)
-        self.share(frozen, self.draft_vocabulary(draft_ids, always=True))  # the engines' files hold d2t
-        self.reset_parameters()
+    def build_layer(self, spec: HeadSpec) -> nn.Module:
+        return Eagle3Layer(spec.target)
+
+    @classmethod
+    def native_block(cls, spec: HeadSpec) -> tuple[Symbolic, dict[str, int]]:
+        return EAGLE3_BLOCK, llama_dims(spec.target)

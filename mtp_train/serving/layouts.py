@@ -126,13 +126,11 @@ def eagle3_dims(spec: HeadSpec) -> dict[str, int]:
 
 
 def _require_eagle3(spec: HeadSpec, layout: str) -> None:
-    if not spec.kind.reads_aux:
+    if not spec.aux_layers:
         raise LayoutUnsupported(
             f"layout {layout}: holds EAGLE-3 heads (fc over the target's auxiliary layers, a 2H-input "
-            f"layer with hidden_norm); a {spec.variant} head has neither. Train model.variant=eagle3."
+            f"layer with hidden_norm); a {spec.variant} head reads no auxiliary layers. Train model.variant=eagle3."
         )
-    if not spec.aux_layers:
-        raise LayoutUnsupported(f"layout {layout}: the head records no auxiliary layers of its target")
 
 
 def eagle3_tensors(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, layer_prefix: str) -> dict:
@@ -174,6 +172,7 @@ def eagle3_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity:
         "mlp_bias": False,
         "norm_before_residual": False,
         "eagle_aux_hidden_state_layer_ids": list(spec.aux_layers),
+        "num_aux_hidden_states": len(spec.aux_layers),  # what vLLM sizes fc by (see speculators_export)
         "eagle_config": {
             "use_aux_hidden_state": True,
             "eagle_aux_hidden_state_layer_ids": [k - 1 for k in spec.aux_layers],
@@ -218,6 +217,11 @@ def speculators_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, iden
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
+        # vLLM builds fc for `num_aux_hidden_states` states, else len(eagle_config's ids), else 3
+        # (llama_eagle3.py `LlamaModel.__init__`); its speculators translation copies this block into
+        # the draft's config but not the count (algos.py `update_eagle3`): without it a head fusing
+        # other than three layers fails to load.
+        "num_aux_hidden_states": len(spec.aux_layers),
     }
     config = {
         "speculators_model_type": "eagle3",
@@ -249,6 +253,92 @@ def speculators_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, iden
     out = eagle3_tensors(tensors, spec, "layers.0.")
     out["embed_tokens.weight"] = tensors["embed_tokens.weight"]
     return EngineExport(out, config, eagle3_table(spec, "layers.0.", SPECULATORS_EXTRA))
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM, through this package's plugin (`mtp_train.serving.vllm_plugin`, `vllm_models`): the classes
+# stock vLLM lacks. The table is what those classes load (their `load_weights`, strict both ways);
+# they were written against vLLM 0.32.0's EAGLE proposer (vllm/v1/spec_decode/llm_base_proposer.py)
+# and its Llama / Qwen3 decoder layers (vllm/model_executor/models/llama.py, qwen3.py).
+#   rmsnorm-restored → `Eagle3MTPTrainRestoredForCausalLM`, method "eagle3", with the target's last layer
+#       (`eagle_aux_hidden_state_layer_ids: [num_hidden_layers]`: vLLM captures hidden + residual after
+#       the last layer, the state before the final norm, llama.py `_maybe_add_hidden_state`) as its one
+#       captured state: the h it was trained on. A draft vocabulary adds `lm_head.weight [Vd, H]`, `d2t`.
+#   eagle1 → `EagleMTPTrainEagle1ForCausalLM`, method "eagle" (the target's post-final-norm output,
+#       EAGLE-1's features), with fc's bias (vLLM's own EagleLlamaForCausalLM has none and its loader
+#       drops a checkpoint's `fc.bias` silently: AutoWeightsLoader ignores unexpected `.bias` names);
+#       a draft vocabulary as for the restored head.
+#   eagle3 → the `eagle3` layout: stock vLLM's `Eagle3LlamaForCausalLM` serves it as it is.
+VLLM_OWN: dict[str, Symbolic] = {
+    "rmsnorm-restored": {
+        "enorm.weight": ("H",),
+        "hnorm.weight": ("H",),
+        "fc.weight": ("H", "2H"),
+        "layers.0.input_layernorm.weight": ("H",),
+        "norm.weight": ("H",),
+    },
+    "eagle1": {"fc.weight": ("H", "2H"), "fc.bias": ("H",)},
+}
+VLLM_QK_NORMS: Symbolic = {"self_attn.q_norm.weight": ("D",), "self_attn.k_norm.weight": ("D",)}  # Qwen3
+VLLM_VOCAB: Symbolic = {"lm_head.weight": ("Vd", "H"), "d2t": ("Vd",)}  # only with a draft vocabulary
+VLLM_LAYER_KINDS = ("llama", "qwen3")  # the plugin's decoder layers (vllm_models.decoder_layer)
+
+
+def vllm_table(spec: HeadSpec) -> Table:
+    block = {**LLAMA_BLOCK, **(VLLM_QK_NORMS if spec.target.model_type == "qwen3" else {})}
+    symbolic = {**VLLM_OWN[spec.variant], **{f"layers.0.{n}": s for n, s in block.items()}}
+    if spec.draft_vocab_size:
+        symbolic.update(VLLM_VOCAB)
+    return resolve(symbolic, {**llama_dims(spec.target), "D": spec.target.head_dim, "Vd": spec.vocab})
+
+
+def vllm_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: dict) -> EngineExport:
+    """The head as vLLM serves it: eagle3 in the stock `eagle3` layout, the rmsnorm-restored and
+    eagle1 heads for the plugin's classes (config.json names the class and carries an `mtp_train`
+    block the class checks: format, version, variant, the target)."""
+    from mtp_train.serving import vllm_plugin  # constants only: imports no vLLM
+
+    if spec.variant == "eagle3":
+        return eagle3_export(tensors, spec, identity)
+    if spec.variant not in vllm_plugin.ARCHITECTURES:
+        raise LayoutUnsupported(f"layout vllm: no vLLM class serves a {spec.variant} head")
+    kind = spec.target.model_type
+    if kind not in VLLM_LAYER_KINDS:
+        raise LayoutUnsupported(
+            f"layout vllm: the plugin builds the head's layer as vLLM builds a {VLLM_LAYER_KINDS} "
+            f"target's; this head's layer is {kind!r}"
+        )
+    t = spec.target
+    out = {n: tensors[n] for n in VLLM_OWN[spec.variant] if not n.startswith("layers.")}
+    out.update({f"layers.0.{n[len('layer.') :]}": w for n, w in tensors.items() if n.startswith("layer.")})
+    if spec.draft_vocab_size:
+        out.update({"lm_head.weight": tensors["lm_head.weight"], "d2t": tensors["d2t"].long()})
+    dropped = ("bos_token_id", "eos_token_id", "use_sliding_window", "architectures")
+    config = {
+        **{k: v for k, v in t.to_hf().items() if k not in dropped},
+        "architectures": [vllm_plugin.ARCHITECTURES[spec.variant]],
+        "num_hidden_layers": 1,
+        "draft_vocab_size": spec.vocab,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        **(
+            {"eagle_aux_hidden_state_layer_ids": [t.num_hidden_layers]}
+            if spec.variant == "rmsnorm-restored"
+            else {}
+        ),
+        "mtp_train": {
+            "format": vllm_plugin.FORMAT,
+            "format_version": vllm_plugin.FORMAT_VERSION,
+            "variant": spec.variant,
+            "method": vllm_plugin.METHODS[spec.variant],
+            "layer_kind": kind,
+            "target_layers": t.num_hidden_layers,
+            "target": identity,
+        },
+        "torch_dtype": _dtype_name(tensors["fc.weight"].dtype),
+    }
+    return EngineExport(out, config, vllm_table(spec))
 
 
 def _require_llama(layer_config: dict, layout: str) -> None:
@@ -386,11 +476,27 @@ def deepseek_mtp_config(hf: Mapping, dense_mlp: bool) -> dict:
 Exporter = Callable[[Mapping[str, torch.Tensor], HeadSpec, dict], EngineExport]
 """(the head's tensors under native names, shared ones included where the layout needs them; its
 spec; the target's identity) → the layout."""
+
+
+def whole_vocabulary(spec: HeadSpec, layout: str) -> HeadSpec:
+    """Refuse a draft vocabulary in a layout whose loader scores the whole target vocabulary."""
+    if spec.draft_vocab_size:
+        raise LayoutUnsupported(
+            f"layout {layout}: the engine's {spec.variant} loader scores the whole target vocabulary, "
+            f"this head a draft vocabulary of {spec.vocab} tokens (model.draft_vocab_size): export "
+            "it native, or train it with model.draft_vocab_size=null"
+        )
+    return spec
+
+
 LAYOUTS: dict[str, Exporter] = {
-    "eagle1": lambda tensors, spec, identity: eagle1_export(tensors, spec.target.to_hf(), spec.variant),
+    "eagle1": lambda tensors, spec, identity: eagle1_export(
+        tensors, whole_vocabulary(spec, "eagle1").target.to_hf(), spec.variant
+    ),
     "deepseek_mtp": lambda tensors, spec, identity: deepseek_mtp_export(
-        tensors, spec.target.to_hf(), spec.variant
+        tensors, whole_vocabulary(spec, "deepseek_mtp").target.to_hf(), spec.variant
     ),
     "eagle3": eagle3_export,
     "speculators": speculators_export,
+    "vllm": vllm_export,
 }
