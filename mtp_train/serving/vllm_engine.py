@@ -158,7 +158,9 @@ def speculative_config(head_dir: str | Path, k: int) -> dict:
     return {"method": head_method(head_dir), "model": str(head_dir), "num_speculative_tokens": k}
 
 
-def llm_kwargs(target_dir: str | Path, head_dir: str | Path | None, k: int, engine: Engine | None = None) -> dict:
+def llm_kwargs(
+    target_dir: str | Path, head_dir: str | Path | None, k: int, engine: Engine | None = None
+) -> dict:
     """`vllm.LLM(**llm_kwargs(...))` for the target, with the head drafting k tokens."""
     engine = engine or Engine()
     kwargs = {
@@ -177,7 +179,9 @@ def llm_kwargs(target_dir: str | Path, head_dir: str | Path | None, k: int, engi
     return kwargs
 
 
-def serve_command(target_dir: str | Path, head_dir: str | Path | None, k: int = 3, dtype: str = "auto") -> str:
+def serve_command(
+    target_dir: str | Path, head_dir: str | Path | None, k: int = 3, dtype: str = "auto"
+) -> str:
     """The `vllm serve` command line that serves the target with the head (the plugin is found
     through its entry point once mtp-train is installed in vLLM's environment)."""
     cmd = f"vllm serve {target_dir} --dtype {dtype}"
@@ -250,6 +254,8 @@ def child_env(engine: Engine) -> dict:
     }
     if engine.in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # no separate scheduler process to keep a core for: the worker's threads get them all
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     return {**env, **engine.env}
 
 

@@ -73,7 +73,9 @@ def checked_block(vllm_config: VllmConfig, variant: str) -> dict:
             "re-export the head with export.formats=[vllm] from this version of mtp-train"
         )
     if block.get("variant") != variant:
-        raise ValueError(f"{where}: a {block.get('variant')} head, but {ARCHITECTURES[variant]} serves {variant}")
+        raise ValueError(
+            f"{where}: a {block.get('variant')} head, but {ARCHITECTURES[variant]} serves {variant}"
+        )
     if spec.method != METHODS[variant]:
         raise ValueError(
             f"{where}: a {variant} head is served with speculative_config method "
@@ -114,7 +116,9 @@ class RestoredHead(nn.Module):
         super().__init__()
         config = vllm_config.speculative_config.draft_model_config.hf_config
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, prefix=maybe_prefix(prefix, "embed_tokens"))
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, h, prefix=maybe_prefix(prefix, "embed_tokens")
+        )
         self.enorm, self.hnorm = RMSNorm(h, eps=eps), RMSNorm(h, eps=eps)
         self.fc = ReplicatedLinear(
             2 * h,
@@ -159,7 +163,9 @@ class Eagle1Head(nn.Module):
         super().__init__()
         config = vllm_config.speculative_config.draft_model_config.hf_config
         h = config.hidden_size
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, prefix=maybe_prefix(prefix, "embed_tokens"))
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, h, prefix=maybe_prefix(prefix, "embed_tokens")
+        )
         self.fc = ReplicatedLinear(
             2 * h,
             h,
@@ -171,7 +177,11 @@ class Eagle1Head(nn.Module):
         )
         kind = config.mtp_train["layer_kind"]
         self.layers = nn.ModuleList(
-            [decoder_layer(vllm_config, config, kind, maybe_prefix(prefix, f"layers.{start_layer_id}"), False)]
+            [
+                decoder_layer(
+                    vllm_config, config, kind, maybe_prefix(prefix, f"layers.{start_layer_id}"), False
+                )
+            ]
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -193,7 +203,10 @@ class Eagle1Head(nn.Module):
 
 
 def load_strictly(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename: Callable[[str], str], shared: set[str]
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    rename: Callable[[str], str],
+    shared: set[str],
 ) -> set[str]:
     """Load checkpoint tensors into `model`'s parameters (q/k/v and gate/up fused as vLLM fuses
     them), refusing unknown names and unfilled parameters. `rename`: checkpoint name → parameter
@@ -204,7 +217,10 @@ def load_strictly(
     for name, tensor in weights:
         process_eagle_weight(model, name)  # has_own_lm_head where the file has an lm_head
         target = rename(name)
-        fused = next(((target.replace(part, whole), whole, shard) for part, whole, shard in STACKED if part in target), None)
+        fused = next(
+            ((target.replace(part, whole), whole, shard) for part, whole, shard in STACKED if part in target),
+            None,
+        )
         pname = fused[0] if fused else target
         if pname not in params:
             raise ValueError(
@@ -238,6 +254,8 @@ def _rename(name: str) -> str:
 class Eagle3MTPTrainRestoredForCausalLM(Eagle3LlamaForCausalLM):
     """The rmsnorm-restored head, served through vLLM's EAGLE-3 path (method "eagle3") with the
     target's last-layer pre-norm state as its one auxiliary state."""
+
+    supports_pp = False  # a draft lives on the last pipeline stage; it takes no intermediate tensors
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         nn.Module.__init__(self)
@@ -289,6 +307,8 @@ class EagleMTPTrainEagle1ForCausalLM(EagleLlamaForCausalLM):
     """The eagle1 head (fc with its bias), served through vLLM's EAGLE path (method "eagle"), which
     feeds the target's output after its final norm: f = final_norm(h)."""
 
+    supports_pp = False
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         nn.Module.__init__(self)
         checked_block(vllm_config, "eagle1")
@@ -297,7 +317,9 @@ class EagleMTPTrainEagle1ForCausalLM(EagleLlamaForCausalLM):
             config.draft_vocab_size = config.vocab_size
         layers = vllm_config.model_config.get_total_num_hidden_layers()
         config.target_layer_count = layers
-        self.model = Eagle1Head(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), start_layer_id=layers)
+        self.model = Eagle1Head(
+            vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), start_layer_id=layers
+        )
         vocab = config.draft_vocab_size
         self.logits_processor = LogitsProcessor(vocab, scale=getattr(config, "logit_scale", 1.0))
         self.draft_id_to_target_id = None
@@ -308,7 +330,9 @@ class EagleMTPTrainEagle1ForCausalLM(EagleLlamaForCausalLM):
                 quant_config=get_draft_quant_config(vllm_config),
                 prefix=maybe_prefix(prefix, "lm_head"),
             )
-            self.draft_id_to_target_id = nn.Parameter(torch.zeros(vocab, dtype=torch.long), requires_grad=False)
+            self.draft_id_to_target_id = nn.Parameter(
+                torch.zeros(vocab, dtype=torch.long), requires_grad=False
+            )
 
     def forward(self, input_ids, positions, hidden_states, inputs_embeds=None):
         return self.model(input_ids, positions, hidden_states, inputs_embeds)

@@ -6,8 +6,7 @@ each worker) through the `vllm.general_plugins` entry point in pyproject.toml
 vllm/v1/engine/core.py and vllm/v1/worker/worker_base.py). This module imports nothing but the
 standard library until `register` runs, and then only vLLM: a serving host needs vLLM and torch,
 not the training stack (no DeepSpeed, Hydra, accelerate). The classes live in
-`mtp_train.serving.vllm_models` and are registered lazily (`"module:Class"`), as vLLM recommends,
-so that a process that never builds one never imports it.
+`mtp_train.serving.vllm_models` (torch and vLLM only).
 
 Each class computes exactly one head kind's math (inference_ref/head_spec.py) and loads the
 `vllm` export layout (`mtp_train.serving.layouts.vllm_export`) without conversion:
@@ -40,14 +39,19 @@ ARCHITECTURES = {
 METHODS = {"rmsnorm-restored": "eagle3", "eagle1": "eagle", "eagle3": "eagle3"}
 """Head variant → vLLM's `speculative_config.method` that serves its `vllm` export."""
 
-MODULE = "mtp_train.serving.vllm_models"
-
 
 def register() -> None:
     """The `vllm.general_plugins` entry point: register each class under its architecture name.
-    Safe to call more than once (vLLM may load plugins in one process several times)."""
+    Safe to call more than once (vLLM may load plugins in one process several times).
+
+    The classes are registered themselves, not as `"module:Class"` strings: a string makes vLLM
+    inspect the class in a fresh Python process the first time (~20 s per class on a 2-core CPU,
+    again after every change of the module); importing them here costs about a second and
+    initializes no device."""
     from vllm import ModelRegistry
+
+    from mtp_train.serving import vllm_models
 
     for arch in ARCHITECTURES.values():
         if arch not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(arch, f"{MODULE}:{arch}")
+            ModelRegistry.register_model(arch, getattr(vllm_models, arch))

