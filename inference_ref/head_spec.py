@@ -146,8 +146,6 @@ class HeadKind:
     """The target kinds it can be built for (None: every kind)."""
     fuses_aux: bool = False
     """Its first step fuses the target's auxiliary layers' states (EAGLE-3), not the last layer's."""
-    engine_files_hold_shared: bool = False
-    """Its engine layouts carry the lm_head rows (and embeddings) themselves, not the target's."""
 
     def aux_layers(self, configured: tuple[int, ...] | None, num_layers: int) -> tuple[int, ...]:
         """The target layers it reads besides the last: `configured`, or the engines' default."""
@@ -174,23 +172,22 @@ HEAD_KINDS: dict[str, HeadKind] = {
         math=RestoredMath(),
         training="mtp_train.heads.mtp:MTPHead",
         serving="inference_ref.draft:MTPDraft",
-        layouts=("native", "deepseek_mtp"),
+        layouts=("native", "deepseek_mtp", "vllm"),
     ),
     "eagle1": HeadKind(
         math=Eagle1Math(),
         training="mtp_train.heads.mtp:MTPHead",
         serving="inference_ref.draft:MTPDraft",
-        layouts=("native", "eagle1"),
+        layouts=("native", "eagle1", "vllm"),
     ),
     "eagle3": HeadKind(
         math=Eagle3Math(),
         training="mtp_train.heads.eagle3:Eagle3Head",
         serving="inference_ref.eagle3:Eagle3Draft",
-        layouts=("native", "eagle3", "speculators"),
+        layouts=("native", "eagle3", "speculators", "vllm"),
         feature_loss=False,
         target_kinds=("llama", "qwen3"),  # engines serve both with a Llama draft layer
         fuses_aux=True,
-        engine_files_hold_shared=True,
     ),
 }
 VARIANTS = tuple(HEAD_KINDS)

@@ -45,7 +45,7 @@ from mtp_train.config import checked  # also registers the schema Hydra composes
 from mtp_train.heads import DraftHead, build, head_class
 from mtp_train.layer_names import Symbolic, check_layout, resolve
 from mtp_train.run import Target
-from mtp_train.serving.layouts import LAYOUTS, LayoutUnsupported
+from mtp_train.serving.layouts import HOLD_SHARED, LAYOUTS, LayoutUnsupported
 from mtp_train.target_files import check_same_target
 
 ENGINE_WEIGHTS = "model.safetensors"  # engines read every *.safetensors of the draft directory
@@ -264,7 +264,7 @@ def _layout_writer(
         return lambda d: write_files(d, tensors, config)
     if name not in LAYOUTS:
         raise ValueError(f"export.formats: unknown layout {name!r} (known: native, {', '.join(LAYOUTS)})")
-    if head.spec.kind.engine_files_hold_shared:  # the EAGLE-3 layouts hold the draft lm_head (speculators the embeddings)
+    if name in HOLD_SHARED:  # the layout writes the (draft) lm_head or the embeddings itself
         tensors = head_tensors(head, dtype, store_shared=True)
     layout = LAYOUTS[name](tensors, head.spec, identity)  # refuses a head it cannot hold, saying why
     if name not in head.spec.kind.layouts:

@@ -120,6 +120,17 @@ def test_whole_vocabulary_engine_layouts_refuse_it(pipeline, layout, tmp_path):
     assert not (tmp_path / "export").exists()
 
 
+def test_the_vllm_layout_is_exported_with_its_draft_lm_head(pipeline, tmp_path):
+    """`export.formats=[vllm]` (the layout the plugin's classes load) writes the draft vocabulary's
+    lm_head rows and d2t: the layout holds shared tensors itself."""
+    cfg = pipeline["cfg"]
+    cfg.export.formats, cfg.export.out_dir = ["vllm"], str(tmp_path / "export")
+    written = export(cfg)["vllm"]
+    tensors = load_file(str(written / "model.safetensors"))
+    assert tensors["lm_head.weight"].shape[0] == VOCAB and tensors["d2t"].shape == (VOCAB,)
+    assert json.loads((written / "config.json").read_text())["draft_vocab_size"] == VOCAB
+
+
 def test_the_report_carries_ssd_hits_saguaro_runs_and_trees(pipeline):
     greedy, sampled = pipeline["report"]["speculative"]["greedy"], pipeline["report"]["speculative"]["T=1"]
     for run in (greedy["k=2"], sampled["k=2"]):

@@ -269,24 +269,23 @@ def speculators_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, iden
 #       drops a checkpoint's `fc.bias` silently: AutoWeightsLoader ignores unexpected `.bias` names);
 #       a draft vocabulary as for the restored head.
 #   eagle3 → the `eagle3` layout: stock vLLM's `Eagle3LlamaForCausalLM` serves it as it is.
-VLLM_OWN: dict[str, Symbolic] = {
-    "rmsnorm-restored": {
-        "enorm.weight": ("H",),
-        "hnorm.weight": ("H",),
-        "fc.weight": ("H", "2H"),
-        "layers.0.input_layernorm.weight": ("H",),
-        "norm.weight": ("H",),
-    },
-    "eagle1": {"fc.weight": ("H", "2H"), "fc.bias": ("H",)},
-}
 VLLM_QK_NORMS: Symbolic = {"self_attn.q_norm.weight": ("D",), "self_attn.k_norm.weight": ("D",)}  # Qwen3
 VLLM_VOCAB: Symbolic = {"lm_head.weight": ("Vd", "H"), "d2t": ("Vd",)}  # only with a draft vocabulary
 VLLM_LAYER_KINDS = ("llama", "qwen3")  # the plugin's decoder layers (vllm_models.decoder_layer)
 
 
+def vllm_own(spec: HeadSpec) -> Symbolic:
+    """The head's own tensors as the plugin's classes name them: the native names
+    (`HeadKind.math.native_own`), the layer's under `layers.0.` instead of `layer.`."""
+    return {
+        (f"layers.0.{n[len('layer.') :]}" if n.startswith("layer.") else n): shape
+        for n, shape in spec.kind.math.native_own.items()
+    }
+
+
 def vllm_table(spec: HeadSpec) -> Table:
     block = {**LLAMA_BLOCK, **(VLLM_QK_NORMS if spec.target.model_type == "qwen3" else {})}
-    symbolic = {**VLLM_OWN[spec.variant], **{f"layers.0.{n}": s for n, s in block.items()}}
+    symbolic = {**vllm_own(spec), **{f"layers.0.{n}": s for n, s in block.items()}}
     if spec.draft_vocab_size:
         symbolic.update(VLLM_VOCAB)
     return resolve(symbolic, {**llama_dims(spec.target), "D": spec.target.head_dim, "Vd": spec.vocab})
@@ -309,7 +308,7 @@ def vllm_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: d
             f"target's; this head's layer is {kind!r}"
         )
     t = spec.target
-    out = {n: tensors[n] for n in VLLM_OWN[spec.variant] if not n.startswith("layers.")}
+    out = {n: tensors[n] for n in vllm_own(spec) if not n.startswith("layers.")}
     out.update({f"layers.0.{n[len('layer.') :]}": w for n, w in tensors.items() if n.startswith("layer.")})
     if spec.draft_vocab_size:
         out.update({"lm_head.weight": tensors["lm_head.weight"], "d2t": tensors["d2t"].long()})
@@ -488,6 +487,10 @@ def whole_vocabulary(spec: HeadSpec, layout: str) -> HeadSpec:
         )
     return spec
 
+
+HOLD_SHARED = frozenset({"eagle3", "speculators", "vllm"})
+"""The layouts that write shared tensors themselves: the draft lm_head (eagle3, and vllm with a draft
+vocabulary), the embeddings (speculators); they are built from the head's tensors with the shared ones."""
 
 LAYOUTS: dict[str, Exporter] = {
     "eagle1": lambda tensors, spec, identity: eagle1_export(

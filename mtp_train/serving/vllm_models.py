@@ -43,16 +43,8 @@ from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
 from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix, process_eagle_weight
 
-from mtp_train.serving.vllm_plugin import ARCHITECTURES, FORMAT, FORMAT_VERSION, METHODS
+from mtp_train.serving.vllm_plugin import ARCHITECTURES, FORMAT, FORMAT_VERSION, METHODS, STACKED
 
-# checkpoint (Hugging Face) name part → (fused vLLM parameter part, shard), as vLLM's Llama loaders fuse them
-STACKED = (
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
-)
 SHARDS = {".qkv_proj.": {"q", "k", "v"}, ".gate_up_proj.": {0, 1}}
 
 

@@ -39,6 +39,16 @@ ARCHITECTURES = {
 METHODS = {"rmsnorm-restored": "eagle3", "eagle1": "eagle", "eagle3": "eagle3"}
 """Head variant → vLLM's `speculative_config.method` that serves its `vllm` export."""
 
+STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+"""Checkpoint (Hugging Face) name part → (vLLM's fused parameter part, shard), as vLLM's Llama
+loaders fuse them: read by the plugin's loaders and by the engine runner's weight check."""
+
 
 def register() -> None:
     """The `vllm.general_plugins` entry point: register each class under its architecture name.
