@@ -314,6 +314,14 @@ class ValidateConfig:
     """Compute dtype of the validation run. In bf16 a verify step (k+1 tokens) and a decode step
     (1 token) round differently, so greedy outputs can part on near-ties; in float32 they are
     token-identical, which is what `identical_to_target_greedy` checks."""
+    engine: str = "inference_ref"
+    """`inference_ref`: our loop only. `vllm`: then also the real vLLM engine (its CPU build on a
+    machine without CUDA; `scripts/setup.sh` installs it) on the same prompt token ids, with the head
+    exported in the `vllm` layout: its spec-decode counters and τ per chain length beside ours, the
+    engine gap, and the share of answers identical to vLLM's target alone (report `engine`;
+    mtp_train/validate/engine.py). Chains only: trees and SSD are this loop's."""
+    engine_temperatures: list[float] | None = None
+    """The temperatures the engine decodes at (default: `temperatures`)."""
     report: str = "${run_dir}/validate/report.json"
     """JSON report path (a PNG plot is written beside it)."""
     seed: int = 0
@@ -343,6 +351,16 @@ class ValidateConfig:
             not factors or fan_outs, "validate.saguaro_factors", factors, "set with validate.ssd_fan_outs"
         )
         at_least("validate", self, 1, "saguaro_fan_out")
+        require(
+            self.engine in ("inference_ref", "vllm"), "validate.engine", self.engine, "inference_ref or vllm"
+        )
+        engine_temps = [] if self.engine_temperatures is None else list(self.engine_temperatures)
+        require(
+            all(t in temps for t in engine_temps),
+            "validate.engine_temperatures",
+            engine_temps,
+            f"some of validate.temperatures {temps} (the gap compares with our loop's run)",
+        )
 
 
 @dataclass
@@ -363,6 +381,30 @@ class ExportConfig:
         require(len(self.formats) > 0, "export.formats", list(self.formats), "at least one layout")
         dtypes = ("bfloat16", "float16", "float32")
         require(self.dtype in dtypes, "export.dtype", self.dtype, f"one of {', '.join(dtypes)}")
+
+
+@dataclass
+class ServeConfig:
+    head: str = "${export.out_dir}/vllm"
+    """The exported head vLLM serves: a `vllm` export (every kind; `export.formats=[vllm]`), or an
+    eagle3 head's `eagle3` / `speculators` export."""
+    k: int = 3
+    """Draft tokens per step (vLLM's `num_speculative_tokens`)."""
+    dtype: str = "auto"
+    """vLLM's `--dtype`."""
+    tensor_parallel_size: int | None = None
+    """vLLM's `--tensor-parallel-size` (default: `model.tp_size`)."""
+    launch: bool = False
+    """Run `vllm serve` (in place of this process) instead of printing the commands."""
+
+    def __post_init__(self):
+        at_least("serve", self, 1, "k")
+        require(
+            self.tensor_parallel_size is None or self.tensor_parallel_size >= 1,
+            "serve.tensor_parallel_size",
+            self.tensor_parallel_size,
+            ">= 1",
+        )
 
 
 @dataclass
@@ -391,6 +433,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 

@@ -244,15 +244,29 @@ def export(cfg) -> dict[str, Path]:
     """
     checked(cfg)
     ec = cfg.export
-    target = Target.resolve(cfg.model.target)
-    identity = target.identity
-    head = load_head(ec.checkpoint, target)  # refuses another target
-    training = read_head_config(ec.checkpoint)["training"]
-    dtype = DTYPES[ec.dtype]
+    return export_layouts(
+        ec.checkpoint, cfg.model.target, ec.formats, Path(ec.out_dir), ec.dtype, ec.store_shared
+    )
+
+
+def export_layouts(
+    head_dir: str | Path,
+    target: Target | str | Path,
+    formats: list[str],
+    out_dir: Path,
+    dtype: str = "bfloat16",
+    store_shared: bool = False,
+) -> dict[str, Path]:
+    """Each layout of `formats` of the native head `head_dir`, under `out_dir/<layout>/` (validation's
+    vLLM pass exports the `vllm` layout through this too)."""
+    target = target if isinstance(target, Target) else Target.resolve(str(target))
+    head = load_head(head_dir, target)  # refuses another target
+    training = read_head_config(head_dir)["training"]
     writers = {
-        name: _layout_writer(name, head, identity, training, dtype, ec.store_shared) for name in ec.formats
+        name: _layout_writer(name, head, target.identity, training, DTYPES[dtype], store_shared)
+        for name in formats
     }
-    return {name: write_atomically(Path(ec.out_dir) / name, w) for name, w in writers.items()}
+    return {name: write_atomically(out_dir / name, w) for name, w in writers.items()}
 
 
 def _layout_writer(

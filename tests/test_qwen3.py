@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {
     "tied": Qwen3Config(vocab_size=256, **TARGET_KINDS["qwen3"].tiny),
     "untied-mha": Qwen3Config(
-        vocab_size=256, **{**TARGET_KINDS["qwen3"].tiny, "tie_word_embeddings": False, "num_key_value_heads": 4}
+        vocab_size=256,
+        **{**TARGET_KINDS["qwen3"].tiny, "tie_word_embeddings": False, "num_key_value_heads": 4},
     ),
     # Qwen3-MoE: a dense layer 0 (mlp_only_layers) then 8 experts, top 2, renormalized or not.
     "moe": Qwen3MoeConfig(vocab_size=256, **TARGET_KINDS["qwen3_moe"].tiny),

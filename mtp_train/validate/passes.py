@@ -43,6 +43,12 @@ class Evaluator:
         eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
         return cls(target, load_draft(head_dir, target), tokenizer, eos)
 
+    def release(self) -> None:
+        """Free the models (the tokenizer and EOS stay): before an engine loads the target itself."""
+        self.target = self.draft = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
 
 # --- speculative decoding ---------------------------------------------------------------------
 
@@ -184,6 +190,11 @@ def target_only_pass(ev: Evaluator, prompts, vc, label: str | None = None):
     return timed_pass(
         ev, prompts, vc, lambda ids, rows: generate(ev.target, ids, vc.max_new_tokens, ev.eos), label
     )
+
+
+def temperature_name(temperature: float) -> str:
+    """A temperature's key in the report: `greedy`, `T=1`."""
+    return "greedy" if temperature == 0 else f"T={temperature:g}"
 
 
 def drafts(vc, temperature: float) -> list[tuple[str, Chain | TreeShape, SSD | None]]:

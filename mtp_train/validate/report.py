@@ -193,9 +193,34 @@ def summary(report: dict) -> str:
                 "(on a CPU or a 135M target the loop's overheads dominate: read τ, not this, for serving)"
             )
         lines += equal_budgets(mode, runs)
+    lines += engine_summary(report["engine"]) if "engine" in report else []
     for shape, figures in report.get("projected", {}).items():
         best = ", ".join(f"batch {b}: {v}" for b, v in figures["best"].items())
         lines.append(
             f"projected on the {shape} shape's measured step costs, the best draft per batch: {best}"
         )
     return "\n".join(lines)
+
+
+def engine_summary(engine: dict) -> list[str]:
+    """validate.engine's figures beside ours, in words."""
+    lines = [
+        f"vLLM {engine['version']} on the same {engine['answers']} prompts: its target alone answers "
+        f"{engine['target_only']['identical_to_inference_ref']:.0%} of them as inference_ref's target does"
+    ]
+    for mode, runs in engine["speculative"].items():
+        for name, run in runs.items():
+            gap = run["gap"]
+            same = (
+                "counts equal to ours"
+                if gap["counts_equal"]
+                else f"counts {run['counts']} vs ours {gap['ours']}"
+            )
+            line = (
+                f"  vLLM, {mode}, {name}: τ {run['mean_accepted_len']:.2f} (ours {gap['tau_ours']:.2f}, "
+                f"engine gap {gap['tau_gap']:+.3f}); {same}"
+            )
+            if run["identical_to_vllm_target"] is not None:
+                line += f"; {run['identical_to_vllm_target']:.0%} of answers identical to vLLM's target alone"
+            lines.append(line)
+    return lines
