@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from inference_ref.generate import States
 from inference_ref.target import TargetModel
@@ -216,8 +217,14 @@ class StoreCapture:
     def _forward(self, model: TargetModel, samples: list[Sample], todo: list[int]) -> None:
         lengths = {k: len(samples[k].input_ids) for k in todo}
         hidden_dtype, budget = self.cfg.precompute.hidden_dtype, self.cfg.precompute.tokens_per_batch
-        for ids in pack_by_length(todo, lengths, budget):
-            for record in forward_batch(model, samples, ids, hidden_dtype, self.aux).records():
-                self.writer.add(record)
+        # answers written before a restart (or a store deleted since): the target reads them again,
+        # which takes minutes on a CPU; say so as it goes
+        with tqdm(
+            total=len(todo), unit="sample", desc="store: forwarding answers without kept states"
+        ) as bar:
+            for ids in pack_by_length(todo, lengths, budget):
+                for record in forward_batch(model, samples, ids, hidden_dtype, self.aux).records():
+                    self.writer.add(record)
+                bar.update(len(ids))
         self.stored.update(todo)
         self.forwarded += len(todo)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -59,16 +60,30 @@ DEMO = [
 ]
 
 
+# With vLLM installed (scripts/setup.sh installs its CPU build), validation also serves the head in
+# vLLM, greedy, on the same prompts: vLLM's τ and counts beside ours (they must be equal in fp32),
+# and the head is exported in the `vllm` layout that `python -m mtp_train.serve` hands to vLLM.
+WITH_VLLM = [
+    "validate.engine=vllm",
+    "validate.engine_temperatures=[0.0]",
+    "export.formats=[native,vllm]",
+]
+
+
+def demo_settings() -> list[str]:
+    return DEMO + (WITH_VLLM if find_spec("vllm") is not None else [])
+
+
 def demo_config(overrides: list[str]):
     with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        cfg = compose("config", overrides=DEMO + list(overrides))
+        cfg = compose("config", overrides=demo_settings() + list(overrides))
     OmegaConf.resolve(cfg)  # stages receive sub-configs; resolve cross-references once, here
     return cfg
 
 
 def demo_help() -> str:
     """`python -m mtp_train.demo --help`: what it runs and the settings it adds to the recipes."""
-    settings = "\n".join(f"  {o}" for o in DEMO)
+    settings = "\n".join(f"  {o}" for o in demo_settings())
     return (
         f"{__doc__.strip()}\n\nusage: python -m mtp_train.demo [OVERRIDE ...]\n\n"
         f"The demo's settings, on top of recipes/config.yaml (an override replaces one):\n{settings}\n\n"
@@ -120,7 +135,8 @@ def run_demo(overrides: list[str]) -> dict:
     t = stage("train")
     head_dir = train(cfg)
     print(f"head: {head_dir} ({time.perf_counter() - t:.0f} s)")
-    t = stage("validate: speculative decoding on MT-bench through inference_ref")
+    engines = "inference_ref and vLLM" if cfg.validate.engine == "vllm" else "inference_ref"
+    t = stage(f"validate: speculative decoding on MT-bench through {engines}")
     report = run_validation(cfg)
     print(f"({time.perf_counter() - t:.0f} s)")
     t = stage("export")
@@ -138,6 +154,10 @@ def run_demo(overrides: list[str]) -> dict:
     )
     print(summary(report))
     print(f"head: {head_dir}\nexport: {', '.join(str(path) for path in exported.values())}")
+    if "vllm" in exported:
+        print(
+            f"serve it in vLLM: python -m mtp_train.serve run_dir={cfg.run_dir}  (prints the vllm serve command)"
+        )
     print(f"report: {cfg.validate.report}")
     print(f"total {time.perf_counter() - started:.0f} s on {torch.get_num_threads()} threads")
     return report

@@ -27,6 +27,8 @@ def test_demo_pipeline_end_to_end(tmp_path, smollm2, capsys):
         "validate.chain_lengths=[2]",
         "validate.teacher_forced_samples=2",
         "export.formats=[native]",
+        # vLLM's side of validation is tested in test_vllm.py (two engine starts would double this test)
+        "validate.engine=inference_ref",
     ]
     report = run_demo(overrides)
     # Every stage left its product where the next one and the user look for it.

@@ -55,6 +55,10 @@ class Run:
     temperature: float = 0.0
     """0: greedy; otherwise sampled (vLLM's rejection sampler), seeded per prompt from `seed`."""
     seed: int = 0
+    draft_sampling: str = "greedy"
+    """vLLM's `draft_sample_method`: `greedy` (its default: the draft's argmax, judged as a one-hot
+    draft distribution when sampling) or `probabilistic` (drafts sampled from the draft's
+    distribution and judged by p/q, as inference_ref's loop does)."""
     dump_draft: str | None = None
     """A directory: write the draft's parameters there (`draft.safetensors`) after vLLM loaded them."""
 
@@ -157,12 +161,19 @@ def check_vllm() -> None:
 # ------------------------------------------------------------------------------- engine arguments
 
 
-def speculative_config(head_dir: str | Path, k: int) -> dict:
-    return {"method": head_method(head_dir), "model": str(head_dir), "num_speculative_tokens": k}
+def speculative_config(head_dir: str | Path, k: int, draft_sampling: str = "greedy") -> dict:
+    config = {"method": head_method(head_dir), "model": str(head_dir), "num_speculative_tokens": k}
+    if draft_sampling != "greedy":
+        config["draft_sample_method"] = draft_sampling
+    return config
 
 
 def llm_kwargs(
-    target_dir: str | Path, head_dir: str | Path | None, k: int, engine: Engine | None = None
+    target_dir: str | Path,
+    head_dir: str | Path | None,
+    k: int,
+    engine: Engine | None = None,
+    draft_sampling: str = "greedy",
 ) -> dict:
     """`vllm.LLM(**llm_kwargs(...))` for the target, with the head drafting k tokens."""
     engine = engine or Engine()
@@ -178,7 +189,7 @@ def llm_kwargs(
     if engine.in_process:
         kwargs["distributed_executor_backend"] = "uni"
     if head_dir is not None:
-        kwargs["speculative_config"] = speculative_config(head_dir, k)
+        kwargs["speculative_config"] = speculative_config(head_dir, k, draft_sampling)
     return kwargs
 
 
@@ -414,12 +425,15 @@ def child(request_file: str, result_file: str) -> None:
     for spec in request["runs"]:
         run = Run(**spec)
         started = time.perf_counter()
-        if (run.head, run.k) != serving:
+        if (run.head, run.k, run.draft_sampling) != serving:
             if llm is not None:
                 _shutdown(llm)
-            what = f"head {run.head}, k={run.k}" if run.head else "the target alone"
+            what = (
+                f"head {run.head}, k={run.k}, {run.draft_sampling} drafts" if run.head else "the target alone"
+            )
             print(f"{PROGRESS}starting an engine: {what}", flush=True)
-            llm, serving = LLM(**llm_kwargs(request["target"], run.head, run.k, engine)), (run.head, run.k)
+            llm = LLM(**llm_kwargs(request["target"], run.head, run.k, engine, run.draft_sampling))
+            serving = (run.head, run.k, run.draft_sampling)
         loaded = time.perf_counter()
         params = [sampling(run, i, request["max_new_tokens"], request["eos"]) for i in range(len(prompts))]
         before = read_counters(llm)
@@ -430,6 +444,7 @@ def child(request_file: str, result_file: str) -> None:
             "tokens": [list(o.outputs[0].token_ids) for o in outputs],
             "k": run.k if run.head else 0,
             "temperature": run.temperature,
+            "draft_sampling": run.draft_sampling,
             "head": run.head,
             "method": head_method(run.head) if run.head else None,
             "load_s": loaded - started,

@@ -62,8 +62,10 @@ def vllm_validation(vc, run: Run, ev: Evaluator, prompts, target_tokens, specula
     temperatures = engine_temperatures(vc)
     with tempfile.TemporaryDirectory(prefix="validate_vllm_") as tmp:
         head = export_layouts(vc.head, run.target, ["vllm"], Path(tmp), dtype=vc.dtype)["vllm"]
+        # sampled, vLLM drafts as our loop does (from the draft's distribution, judged by p/q), so
+        # that the two differ by random numbers only; its default drafts the argmax (see the docs)
         runs = [EngineRun("target")] + [
-            EngineRun(f"{temperature_name(t)} k={k}", str(head), k, t, vc.seed)
+            EngineRun(f"{temperature_name(t)} k={k}", str(head), k, t, vc.seed, draft_sampling(t))
             for k in vc.chain_lengths
             for t in temperatures
         ]
@@ -92,6 +94,10 @@ def vllm_validation(vc, run: Run, ev: Evaluator, prompts, target_tokens, specula
     return report
 
 
+def draft_sampling(temperature: float) -> str:
+    return "greedy" if temperature == 0 else "probabilistic"
+
+
 def engine_figures(run: dict) -> dict:
     """Rates and τ from vLLM's counters: drafts (= verify steps), accepted tokens per position."""
     drafts, accepted = run["num_drafts"], run["accepted_per_pos"]
@@ -100,6 +106,7 @@ def engine_figures(run: dict) -> dict:
         "counts": {"num_drafts": drafts, "accepted_per_pos": accepted},
         "accept_rate": [a / n if n else float("nan") for a, n in zip(accepted, tried)],
         "mean_accepted_len": tau(drafts, accepted),
+        "draft_sampling": run["draft_sampling"],
         "seconds": run["generate_s"],
     }
 
