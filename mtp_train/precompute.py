@@ -19,8 +19,10 @@ skips the samples in journaled shards (see `mtp_train.store`); a rerun of a fini
 
 from __future__ import annotations
 
-# ruff: noqa: E402  (the imports below come after `--help` is answered)
 from mtp_train.cli import answer_help_first
+
+# ruff: noqa: E402  (the imports below come after `--help` is answered)
+from mtp_train.locks import exclusive
 
 answer_help_first(__name__, __file__)  # before torch & co.: they take seconds to import
 
@@ -94,6 +96,11 @@ class RankJob:
 
 def run_precompute(cfg) -> Path:
     """Write (or finish) the store for `cfg.model.target` × `cfg.data`; returns the store directory."""
+    with exclusive(cfg.precompute.store_dir, "precompute.store_dir"):  # one writer per store
+        return _run_precompute(cfg)
+
+
+def _run_precompute(cfg) -> Path:
     ranks = launched_ranks(cfg.model.tp_size)
     job = prepare(cfg, ranks.dp_rank, ranks.dp_size)
     if job.complete:

@@ -24,6 +24,7 @@ answer_help_first(__name__, __file__)  # before torch & co.: they take seconds t
 import json
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from mtp_train.capture import StoreCapture
 from mtp_train.cli import one_line_errors
 from mtp_train.config import ConfigError, RegenerateConfig, checked
 from mtp_train.data import Message, Prompt, load_prompts, prompt_ids
+from mtp_train.locks import exclusive
 from mtp_train.parallel import Ranks, one_process
 from mtp_train.run import resolve_run
 
@@ -192,6 +194,12 @@ def regenerate(
     group's ranks answer in step (the same prompts, the same tokens) and its first rank writes.
     `capture`: the training store written from the generation's states as it goes
     (`regenerate.capture`; one process)."""
+    # the captured store has one writer (one process: `check_capture`)
+    with exclusive(capture.dir, "precompute.store_dir") if capture else nullcontext():
+        return _regenerate(rcfg, target_dir, device, dtype, quantization, ranks, capture)
+
+
+def _regenerate(rcfg, target_dir, device, dtype, quantization, ranks, capture) -> dict:
     ranks = ranks or one_process(device)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     out, counts = Path(rcfg.output), Counts()

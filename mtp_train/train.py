@@ -34,6 +34,7 @@ from mtp_train.batching import DraftBatch, MicroBatchPlan, collate, prefetched
 from mtp_train.cli import one_line_errors
 from mtp_train.config import ModelConfig, RunConfig, TrainConfig, checked
 from mtp_train.heads import MTPHead, build
+from mtp_train.locks import exclusive
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.progress import Progress
 from mtp_train.run import Run, Target, head_spec, resolve_run
@@ -250,6 +251,11 @@ def run_identity(run: Run, store: Store, tc: TrainConfig, world: int) -> dict:
 
 def train(cfg: RunConfig) -> Path:
     """Run (or resume) training; returns the directory of the final exported head."""
+    with exclusive(cfg.train.out_dir, "train.out_dir"):  # a second training there is refused
+        return _train(cfg)
+
+
+def _train(cfg: RunConfig) -> Path:
     tc, out_dir = cfg.train, Path(cfg.train.out_dir)
     t, run, store, start = set_up(cfg)
     batches = micro_batches(t.acc, store, tc, start)

@@ -281,3 +281,27 @@ def test_entry_points_report_user_errors_in_one_line(tiny_target, tmp_path, modu
     done = subprocess.run(cmd + overrides, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_one_writer_per_run_folder_and_per_store(tiny_target, tmp_path):
+    """A second training on a `train.out_dir`, or a second precompute on a store, that a running
+    process holds is refused in one line naming it, before anything is read or written; a lock file
+    left by a killed run (no process holds it any more) is taken over."""
+    import os
+
+    from mtp_train.locks import Busy, exclusive
+
+    cfg = config(tiny(tiny_target, tmp_path, "train.steps=2"))
+    store, out = Path(cfg.precompute.store_dir), Path(cfg.train.out_dir)
+    with exclusive(store, "precompute.store_dir"):  # as a precompute in progress would
+        with pytest.raises(Busy, match=rf"{store} is in use by pid {os.getpid()} on .*precompute.store_dir"):
+            run_precompute(cfg)
+    assert sorted(p.name for p in store.iterdir()) == [".lock"]  # nothing else written meanwhile
+    (store / ".lock").write_text("pid 999999 on a-host-that-was-killed\n")  # stale: nobody holds it
+    run_precompute(cfg)
+    with exclusive(out, "train.out_dir"):
+        with pytest.raises(Busy, match=f"pid {os.getpid()}") as error:
+            train(cfg)
+        assert "train.out_dir" in str(error.value) and "\n" not in str(error.value)
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    assert Path(train(cfg)).is_dir()  # released: the run goes ahead
