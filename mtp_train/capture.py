@@ -30,7 +30,7 @@ from inference_ref.generate import States
 from inference_ref.target import TargetModel
 from mtp_train.config import ConfigError, RunConfig
 from mtp_train.data import Conversation, Sample, encode, iter_records, load_samples, training_sample
-from mtp_train.precompute import encode_hidden, forward_batch, pack_by_length, run_header
+from mtp_train.precompute import check_finite_states, encode_hidden, forward_batch, pack_by_length, run_header
 from mtp_train.run import Target, aux_layers_of
 from mtp_train.store import Record, ShardWriter, merge_manifests, read_shard, write_json_atomic
 from mtp_train.target_files import check_same_target
@@ -162,6 +162,7 @@ class StoreCapture:
                 self.captured += 1
 
     def _record(self, k: int, sample: Sample, states: torch.Tensor) -> Record:
+        check_finite_states(torch.isfinite(states).all(-1), sample.source)
         stored, scale, sq_err, sq_ref = encode_hidden(
             states, self.cfg.precompute.hidden_dtype, 1 + len(self.aux)
         )

@@ -197,6 +197,10 @@ class TrainConfig:
     """AdamW betas."""
     grad_clip: float = 0.5
     """Max global gradient norm."""
+    dead_steps: int = 20
+    """Stop, saying why, when the gradient norm has been exactly 0 for this many steps in a row:
+    the head is dead (e.g. `train.lr` far too high) and more steps cannot revive it; nothing is
+    exported. 0: never stop for this."""
     w_p: float = 1.0
     """Weight of the soft cross-entropy to the target's distribution."""
     w_h: float = 0.1
@@ -241,6 +245,7 @@ class TrainConfig:
             self.grad_clip,
             "> 0 (a negative clip ascends the gradient)",
         )
+        at_least("train", self, 0, "dead_steps")
         require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
         require(0 < self.unroll_decay <= 1, "train.unroll_decay", self.unroll_decay, "in (0, 1]")
         require(self.w_p + self.w_h > 0, "train.w_p + train.w_h", self.w_p + self.w_h, "> 0")

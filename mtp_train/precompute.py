@@ -339,14 +339,18 @@ class HostBatch:
     hidden_scale: torch.Tensor | None  # [T] or [T, L] (fp8)
     sq_err: torch.Tensor | None  # [T] Σ_h (dequantized − bf16)² (fp8)
     sq_ref: torch.Tensor | None  # [T] Σ_h bf16² (fp8)
+    finite: torch.Tensor  # [T] bool: every state of the token is finite
     copied: torch.cuda.Event | None  # set once the device → host copies are done
+    sources: list[str] | None = None  # the samples' `file:N`, for the message
 
     def records(self) -> Iterator[Record]:
         if self.copied is not None:
             self.copied.synchronize()
         bounds = np.cumsum([0] + self.lengths).tolist()
         fp8 = self.hidden_scale is not None
-        for k, a, b in zip(self.sample_ids, bounds[:-1], bounds[1:]):
+        for i, (k, a, b) in enumerate(zip(self.sample_ids, bounds[:-1], bounds[1:])):
+            source = self.sources[i] if self.sources else f"sample {k}"
+            check_finite_states(self.finite[a:b], source)
             yield Record(
                 k,
                 self.input_ids[a:b],
@@ -379,12 +383,31 @@ def forward_batch(
     if not copy:
         return None
     encoded = encode_hidden(hidden, hidden_dtype, 1 + len(capture))
-    host = [None if t is None else to_host(t) for t in encoded]
+    # per token on the device, checked on the host as each record is written: no sync here
+    finite = torch.isfinite(hidden).all(-1)
+    host = [None if t is None else to_host(t) for t in (*encoded, finite)]
     copied = None
     if device.type == "cuda":
         copied = torch.cuda.Event()
         copied.record()
-    return HostBatch(ids, lengths, input_ids, loss_mask, *host, copied)
+    return HostBatch(ids, lengths, input_ids, loss_mask, *host, copied, [samples[k].source for k in ids])
+
+
+class NonFiniteStates(FloatingPointError):
+    """The target computed NaN or inf states for a sample: it is not stored (nor anything after)."""
+
+
+def check_finite_states(finite: torch.Tensor, source: str) -> None:
+    """Refuse a sample whose target states are not all finite (a target that overflows in its
+    dtype, damaged weights): a head trained on them learns nothing, or NaN."""
+    if bool(finite.all()):
+        return
+    bad = (~finite).nonzero().flatten()
+    raise NonFiniteStates(
+        f"{source}: the target's states are NaN or inf at {len(bad)} of {len(finite)} tokens (first at "
+        f"token {int(bad[0])}); not stored, and the samples stored before it are kept. Check the target's "
+        "weights, or run it in float32 (model.dtype)"
+    )
 
 
 def encode_hidden(hidden: torch.Tensor, hidden_dtype: str, layers: int = 1):
@@ -434,6 +457,8 @@ class BackgroundWriter:
         self._raise()
 
     def _raise(self) -> None:
+        if isinstance(self.error, NonFiniteStates):
+            raise self.error  # bad input, named in one line: no wrapping
         if self.error is not None:
             raise RuntimeError("writing the store failed") from self.error
 

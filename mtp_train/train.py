@@ -210,6 +210,30 @@ def check_finite(t: Training, loss: torch.Tensor, grad_norm: torch.Tensor | None
         )
 
 
+class DeadHead(FloatingPointError):
+    """Training stopped: the gradient has been exactly zero for `train.dead_steps` steps."""
+
+
+class DeadHeadWatch:
+    """Counts the steps in a row whose gradient norm is exactly 0. A live head's gradient is never
+    exactly zero; a dead one's (saturated activations after a far too high learning rate) stays
+    zero, and every further step and the export would be wasted: stop with the reason."""
+
+    def __init__(self, tc: TrainConfig):
+        self.tc, self.zero = tc, 0
+
+    def check(self, step: int, grad_norm) -> None:
+        if grad_norm is None or not self.tc.dead_steps:
+            return  # (DeepSpeed's engine clips inside its step and reports no norm here)
+        self.zero = self.zero + 1 if float(grad_norm) == 0.0 else 0
+        if self.zero >= self.tc.dead_steps:
+            raise DeadHead(
+                f"training stopped at step {step}: the gradient norm has been 0 for {self.zero} steps "
+                f"in a row (train.dead_steps), so the head is dead and is not exported. Lower train.lr "
+                f"(now {self.tc.lr:g}); the checkpoints in {self.tc.out_dir} are kept"
+            )
+
+
 def set_up(cfg: RunConfig) -> tuple[Training, Run, Store, int]:
     """Resolve the run, open and check the store, build the head and its training state, and
     resume from the latest checkpoint. Returns the training state, the run, the store and the
@@ -261,10 +285,12 @@ def _train(cfg: RunConfig) -> Path:
     batches = micro_batches(t.acc, store, tc, start)
     progress = Progress(t.acc, cfg, total_steps=tc.steps, start_step=start)
     hooks = Hooks(cfg, t, run)
+    dead = DeadHeadWatch(tc)
     for step in range(start, tc.steps):
         stats, grad_norm, waited = train_step(t, batches)
         progress.step(step + 1, stats, grad_norm, t.scheduler.get_last_lr()[0], waited)
         hooks.after_step(step + 1, progress)
+        dead.check(step + 1, grad_norm)
     head_dir = export_head(t.acc, t.objective, out_dir / "head", run.target.identity, cfg, tc.steps)
     if t.acc.is_main_process and start < tc.steps:  # a rerun of a finished run keeps its figures
         write_summary(out_dir / "train_summary.json", tc.steps, progress.summary())

@@ -305,3 +305,32 @@ def test_one_writer_per_run_folder_and_per_store(tiny_target, tmp_path):
         assert "train.out_dir" in str(error.value) and "\n" not in str(error.value)
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
     assert Path(train(cfg)).is_dir()  # released: the run goes ahead
+
+
+def test_a_target_with_non_finite_states_is_refused_naming_the_sample(tiny_target, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mtp_train.precompute import NonFiniteStates
+
+    target = tmp_path / "overflowing"
+    shutil.copytree(tiny_target, target)
+    weights = load_file(str(target / "model.safetensors"))
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")  # as a corrupted or overflowing weight
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    cfg = config(tiny(target, tmp_path / "run"))
+    with pytest.raises(NonFiniteStates, match=r"gsm8k_64.jsonl:\d+: the target's states are NaN or inf") as e:
+        run_precompute(cfg)
+    assert "\n" not in str(e.value) and "model.dtype" in str(e.value)
+    assert not (Path(cfg.precompute.store_dir) / "manifest.json").exists()  # never published
+
+
+def test_a_dead_head_stops_training_and_is_not_exported(tiny_target, tmp_path):
+    from mtp_train.train import DeadHead
+
+    cfg = config(tiny(tiny_target, tmp_path, "train.lr=1e4", "train.steps=60", "train.dead_steps=5"))
+    run_precompute(cfg)
+    with pytest.raises(DeadHead, match=r"gradient norm has been 0 for 5 steps in a row .*train.lr \(now 10000\)"):
+        train(cfg)
+    assert not (tmp_path / "train" / "head").exists()
