@@ -12,6 +12,7 @@ hash right (saying which it skipped and why) and refuses one made with another t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Callable
@@ -43,12 +44,15 @@ def latest(out_dir: Path, identity: dict | None = None, say: Callable[[str], Non
 
 
 def damage(ckpt: Path) -> str | None:
-    """What is wrong with a checkpoint directory, or None: `state.json` readable and every file it
-    lists present with its sha256 (checkpoints written before the hashes are taken as they are)."""
+    """What is wrong with a checkpoint directory, or None: `state.json` readable and matching its
+    own sha256, every file it lists present with its sha256 (checkpoints written before the hashes
+    are taken as they are)."""
     try:
         state = json.loads((ckpt / "state.json").read_text())
     except (OSError, ValueError) as e:
         return f"state.json unreadable: {type(e).__name__}"
+    if "sha256" in state and state_sha256(state) != state["sha256"]:
+        return "state.json does not match its sha256 (edited?)"
     for name, sha in state.get("files", {}).items():
         path = ckpt / name
         if not path.is_file():
@@ -58,12 +62,18 @@ def damage(ckpt: Path) -> str | None:
     return None
 
 
+def state_sha256(state: dict) -> str:
+    """The hash of a checkpoint's state.json content, itself left out."""
+    body = json.dumps({k: v for k, v in state.items() if k != "sha256"}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
 def check_identity(ckpt: Path, identity: dict) -> None:
     made_with = json.loads((ckpt / "state.json").read_text()).get("identity")
     if made_with is None:
         return  # written before checkpoints recorded it
-    for part in ("target", "store", "plan"):
-        if made_with.get(part) != identity.get(part):
+    for part in ("target", "store", "plan", "head"):
+        if part in made_with and made_with.get(part) != identity.get(part):
             raise ValueError(
                 f"checkpoint {ckpt} was made with another {part} ({made_with.get(part)}; this run: "
                 f"{identity.get(part)}): an exact resume needs the same one. Use another train.out_dir, "
@@ -95,8 +105,18 @@ def _restore_optimizer(optimizer, tensors: dict[str, torch.Tensor], meta: dict) 
 
 
 def save(
-    acc: Accelerator, out_dir: Path, step: int, head, optimizer, scheduler, identity: dict, keep: int = 2
+    acc: Accelerator,
+    out_dir: Path,
+    step: int,
+    head,
+    optimizer,
+    scheduler,
+    identity: dict,
+    settings: dict | None = None,
+    keep: int = 2,
 ) -> Path:
+    """Write checkpoint `step` (`settings`: the training settings it was made with, which a resume
+    compares with its own)."""
     final = out_dir / f"{PREFIX}{step:07d}"
     tmp = out_dir / f".tmp-{PREFIX}{step:07d}"
     if acc.is_main_process:
@@ -114,7 +134,14 @@ def save(
     acc.wait_for_everyone()
     if acc.is_main_process:
         files = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-        state = {"step": step, "scheduler": scheduler.state_dict(), "files": files, "identity": identity}
+        state = {
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "files": files,
+            "identity": identity,
+            "settings": settings or {},
+        }
+        state["sha256"] = state_sha256(state)
         (tmp / "state.json").write_text(json.dumps(state))  # last: it makes the checkpoint whole
         if final.exists():  # a rerun reaching the same step, or a damaged leftover: replaced
             shutil.rmtree(final)
@@ -123,6 +150,10 @@ def save(
             shutil.rmtree(old, ignore_errors=True)
     acc.wait_for_everyone()
     return final
+
+
+def saved_settings(ckpt: Path) -> dict:
+    return json.loads((ckpt / "state.json").read_text()).get("settings", {})
 
 
 def load(acc: Accelerator, ckpt: Path, head, optimizer, scheduler) -> int:

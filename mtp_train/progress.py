@@ -36,6 +36,8 @@ class Progress:
         self.tokens = 0  # stored tokens this process trained on since (re)start
         self.metrics_file = Path(cfg.train.out_dir) / "metrics.jsonl"  # appended to on resume
         self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        if acc.is_main_process:
+            drop_steps_after(self.metrics_file, start_step)
 
     def step(self, step: int, stats, grad_norm, lr: float, data_wait_s: float = 0.0) -> None:
         """stats: one (loss, metrics, tokens) per micro-batch of this process; data_wait_s: how
@@ -111,3 +113,24 @@ class Progress:
 
 def _count_key(metric: str) -> str:
     return metric.rsplit("/", 1)[0] + "/count" if "/" in metric else "count"
+
+
+def drop_steps_after(path: Path, step: int) -> None:
+    """On resume from `step`: the lines of steps after it, logged by the run that was stopped
+    before its next checkpoint, go; the resumed run logs those steps again."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if logged_step(line) is not None and logged_step(line) <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+
+
+def logged_step(line: str) -> int | None:
+    """A metrics line's step; None for a line torn by a kill mid-write."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None

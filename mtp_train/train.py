@@ -249,20 +249,80 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, Store, int]:
     check_store(store, head, run.target.identity)
     t = prepare_training(acc, head, tc)
     start = 0
-    identity = run_identity(run, store, tc, acc.num_processes)
+    identity = run_identity(run, store, tc, acc.num_processes, head)
     last = checkpoint.latest(Path(tc.out_dir), identity, acc.print) if tc.resume else None
     if last is not None:
         built = {n: b.clone() for n, b in head.named_buffers() if n in head.state_dict()}
         start = checkpoint.load(acc, last, t.objective, t.optimizer, t.scheduler)
         check_same_buffers(built, head, last, store)
         acc.print(f"resumed from {last} at step {start}")
+        for line in apply_changed_settings(t, checkpoint.saved_settings(last), start):
+            acc.print(line)
     t.identity = identity
     return t, run, store, start
 
 
-def run_identity(run: Run, store: Store, tc: TrainConfig, world: int) -> dict:
-    """What an exact resume needs unchanged, recorded in every checkpoint: the target, the store and
-    the micro-batch plan (budget, seed, micro-batches per optimizer step across processes)."""
+SETTINGS = (
+    "lr",
+    "weight_decay",
+    "betas",
+    "steps",
+    "warmup_steps",
+    "min_lr_ratio",
+    "grad_clip",
+    "w_p",
+    "w_h",
+    "unroll_steps",
+    "unroll_decay",
+    "loss_chunk_logits",
+    "dead_steps",
+)
+"""The training settings a checkpoint records and a resume compares with its own: each may change
+on resume and takes effect from the resumed step on (the plan, head, target and store may not:
+`run_identity`)."""
+
+
+def training_settings(tc: TrainConfig) -> dict:
+    values = {name: getattr(tc, name) for name in SETTINGS}
+    return {
+        k: v if v is None or isinstance(v, (bool, int, float, str)) else list(v) for k, v in values.items()
+    }
+
+
+def apply_changed_settings(t: Training, saved: dict, step: int) -> list[str]:
+    """After loading a checkpoint: this run's settings where they differ from the checkpoint's
+    (the optimizer's saved lr, weight decay and betas would otherwise win), and the schedule
+    recomputed for this run's steps, warmup and lr. Returns what changed, in words."""
+    now = training_settings(t.tc)
+    changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+    if not changed:
+        return []
+    before = t.scheduler.get_last_lr()[0]
+    t.scheduler.base_lrs = [t.tc.lr for _ in t.scheduler.base_lrs]
+    factor = t.scheduler.lr_lambdas[0](t.scheduler.last_epoch)  # this run's warmup-cosine
+    for group in t.optimizer.param_groups:
+        group.update(lr=t.tc.lr * factor, initial_lr=t.tc.lr, weight_decay=t.tc.weight_decay)
+        group["betas"] = tuple(t.tc.betas)
+    # what get_last_lr() reports until the next scheduler step (LambdaLR keeps it in `_last_lr`)
+    t.scheduler._last_lr = [group["lr"] for group in t.optimizer.param_groups]
+    lines = [
+        f"resume: train.{k} was {a}, now {b}: applied from step {step + 1} on"
+        for k, (a, b) in changed.items()
+    ]
+    after = t.scheduler.get_last_lr()[0]
+    if after != before:
+        lines.append(
+            f"resume: the warmup-cosine schedule follows this run's settings (train.lr {t.tc.lr:g}, "
+            f"train.steps {t.tc.steps}, train.warmup_steps {t.tc.warmup_steps}): lr at step {step} "
+            f"goes {before:.3g} → {after:.3g}"
+        )
+    return lines
+
+
+def run_identity(run: Run, store: Store, tc: TrainConfig, world: int, head: MTPHead) -> dict:
+    """What an exact resume needs unchanged, recorded in every checkpoint: the target, the store,
+    the micro-batch plan (budget, seed, micro-batches per optimizer step across processes) and the
+    head (its kind and shape: another one cannot load the checkpoint's weights)."""
     shards = hashlib.sha256("".join(s["sha256"] for s in store.manifest["shards"]).encode()).hexdigest()[:16]
     target = {k: run.target.identity[k] for k in ("config_hash", "weights_hash", "tokenizer_hash")}
     plan = {
@@ -270,7 +330,8 @@ def run_identity(run: Run, store: Store, tc: TrainConfig, world: int) -> dict:
         "seed": tc.seed,
         "micro_batches": tc.grad_accum * world,
     }
-    return {"target": target, "store": shards, "plan": plan}
+    spec = json.loads(json.dumps(head.spec.to_config()))  # as state.json holds it (lists, not tuples)
+    return {"target": target, "store": shards, "plan": plan, "head": spec}
 
 
 def train(cfg: RunConfig) -> Path:
@@ -318,7 +379,10 @@ class Hooks:
     def after_step(self, done: int, progress: Progress) -> None:
         tc, t, identity = self.cfg.train, self.t, self.run.target.identity
         if tc.save_every and (done % tc.save_every == 0 or done == tc.steps):
-            checkpoint.save(t.acc, self.out_dir, done, t.objective, t.optimizer, t.scheduler, t.identity)
+            settings = training_settings(t.tc)
+            checkpoint.save(
+                t.acc, self.out_dir, done, t.objective, t.optimizer, t.scheduler, t.identity, settings
+            )
         if tc.export_every and done % tc.export_every == 0 and done != tc.steps:
             export_head(t.acc, t.objective, self.out_dir / f"head-step{done:07d}", identity, self.cfg, done)
         spec = done in tc.spec_validate_at

@@ -317,7 +317,9 @@ def test_a_target_with_non_finite_states_is_refused_naming_the_sample(tiny_targe
     target = tmp_path / "overflowing"
     shutil.copytree(tiny_target, target)
     weights = load_file(str(target / "model.safetensors"))
-    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")  # as a corrupted or overflowing weight
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float(
+        "inf"
+    )  # as a corrupted or overflowing weight
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
     cfg = config(tiny(target, tmp_path / "run"))
     with pytest.raises(NonFiniteStates, match=r"gsm8k_64.jsonl:\d+: the target's states are NaN or inf") as e:
@@ -331,6 +333,50 @@ def test_a_dead_head_stops_training_and_is_not_exported(tiny_target, tmp_path):
 
     cfg = config(tiny(tiny_target, tmp_path, "train.lr=1e4", "train.steps=60", "train.dead_steps=5"))
     run_precompute(cfg)
-    with pytest.raises(DeadHead, match=r"gradient norm has been 0 for 5 steps in a row .*train.lr \(now 10000\)"):
+    with pytest.raises(
+        DeadHead, match=r"gradient norm has been 0 for 5 steps in a row .*train.lr \(now 10000\)"
+    ):
         train(cfg)
     assert not (tmp_path / "train" / "head").exists()
+
+
+def test_resume_says_what_changed_and_applies_it_or_refuses_it(tiny_target, tmp_path, capsys):
+    """Another lr or number of steps on resume is applied from the resumed step on and said; another
+    head kind is refused in one line; an edited state.json is damage; the steps a killed run logged
+    after its last checkpoint are not logged twice."""
+    import json
+    import shutil
+
+    from mtp_train.train import warmup_cosine
+
+    def metrics():
+        return [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+
+    base = tiny(tiny_target, tmp_path, "train.save_every=2", "train.warmup_steps=1")
+    run_precompute(config(base + ["train.steps=3"]))
+    train(config(base + ["train.steps=3"]))
+    shutil.rmtree(tmp_path / "train" / "ckpt-0000003")  # killed after step 3, before its checkpoint
+    capsys.readouterr()
+    train(config(base + ["train.steps=6", "train.lr=2e-3", "train.weight_decay=0.05"]))
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "ckpt-0000002 at step 2" in out
+    assert "resume: train.lr was 0.001, now 0.002: applied from step 3 on" in out
+    assert "resume: train.steps was 3, now 6: applied from step 3 on" in out
+    assert "resume: train.weight_decay was 0.0, now 0.05" in out
+    steps = [m["step"] for m in metrics() if "lr" in m]
+    assert steps == [1, 2, 3, 4, 5, 6]  # step 3 once
+    lr3 = next(m["lr"] for m in metrics() if m["step"] == 3 and "lr" in m)
+    # (a step logs the lr its scheduler step leaves: the next step's, on the new schedule)
+    assert lr3 == pytest.approx(2e-3 * warmup_cosine(1, 6, config(base).train.min_lr_ratio)(3))
+
+    with pytest.raises(ValueError, match="made with another head") as error:
+        train(config(base + ["train.steps=8", "model.variant=eagle1"]))
+    assert "\n" not in str(error.value)
+
+    state = tmp_path / "train" / "ckpt-0000006" / "state.json"
+    edited = json.loads(state.read_text())
+    edited["step"] = 5
+    state.write_text(json.dumps(edited))
+    train(config(base + ["train.steps=8"]))
+    out = capsys.readouterr().out
+    assert "ckpt-0000006 is damaged (state.json does not match its sha256" in out and "at step 4" in out
