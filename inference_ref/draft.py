@@ -20,7 +20,6 @@ final norm and lm_head are the target's unless the file stores `embed_tokens.wei
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -33,6 +32,7 @@ from inference_ref.head_spec import (
     HeadSpec,
     check_aux_layers,
     check_head_fits_target,
+    read_json,
     resolve_class,
 )
 from inference_ref.models import TARGET_KINDS
@@ -54,7 +54,7 @@ class MTPDraft(Draft):
 def load_draft(path: str | Path, target: TargetModel) -> MTPDraft:
     """Load a native-format head directory for `target`, refusing one made for another shape."""
     path = Path(path)
-    config = json.loads((path / CONFIG).read_text())
+    config = read_json(path / CONFIG)
     spec = HeadSpec.from_config(config, f"{path / CONFIG}")
     check_head_fits_target(config, target.cfg)
     if spec.aux_layers:  # the layers it reads must be this target's

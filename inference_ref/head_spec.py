@@ -25,8 +25,10 @@ the last layer's (`causal_lm.widened`). Every head reads the columns it needs.
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -278,6 +280,17 @@ class HeadSpec:
         vocab = config.get("draft_vocab_size", target.vocab_size)
         draft_vocab = 0 if vocab == target.vocab_size else vocab
         return cls(config["variant"], target, mlp, tuple(config.get("aux_layers", ())), draft_vocab)
+
+
+def read_json(path: str | Path) -> dict:
+    """A config file, or one line naming it: missing, or not valid JSON (and where)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def architecture(model_type: str) -> str:

@@ -4,6 +4,7 @@ before the entry point imports torch (this module imports nothing heavy)."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -50,10 +51,28 @@ def one_line_errors(main):
     def wrapped(*args, **kwargs):
         try:
             return main(*args, **kwargs)
-        except USER_ERRORS as e:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        except Exception as e:
+            message = user_error(e)
+            if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            print(f"error: {e}\n(for the traceback: HYDRA_FULL_ERROR=1)", file=sys.stderr)
+            print(f"error: {message}\n(for the traceback: HYDRA_FULL_ERROR=1)", file=sys.stderr)
             sys.exit(2)
 
     return wrapped
+
+
+def user_error(e: BaseException) -> str | None:
+    """The one line for a user's mistake, or None for a bug (it keeps its traceback)."""
+    if isinstance(e, USER_ERRORS):
+        return str(e)
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return (
+            f"no space left on the device writing {e.filename or 'a file'}: free space or choose "
+            "another directory; what was written completely before (checkpoints, store shards) is kept"
+        )
+    from omegaconf.errors import MissingMandatoryValue
+
+    if isinstance(e, MissingMandatoryValue):
+        key = getattr(e, "full_key", None) or "a value"
+        return f"{key} is not set (it has no default): pass {key}=… on the command line"
+    return None

@@ -38,6 +38,7 @@ from inference_ref.head_spec import (
     HeadSpec,
     check_head_fits_target,
     draft_ids,
+    read_json,
 )
 from inference_ref.target import TargetConfig, frozen_target_tensors
 from mtp_train.cli import one_line_errors
@@ -198,7 +199,7 @@ def read_head_config(head_dir: str | Path) -> dict:
     path = Path(head_dir) / CONFIG
     if not path.exists():
         raise FileNotFoundError(f"{head_dir}: no {CONFIG} (expected a native head directory)")
-    config = json.loads(path.read_text())
+    config = read_json(path)
     if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{path}: format {config.get('format')!r} v{config.get('format_version')!r}, "

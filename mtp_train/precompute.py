@@ -132,6 +132,12 @@ def prepare(cfg, rank: int, world: int) -> RankJob:
     target = Target.resolve(cfg.model.target)
     tokenizer = AutoTokenizer.from_pretrained(str(target.dir))
     samples, counts = load_samples(cfg.data, tokenizer)
+    if not samples:
+        raise ValueError(
+            f"data.train_files {list(cfg.data.train_files)} give no training sample: {counts['records']} "
+            f"records after data.holdout {cfg.data.holdout}, {counts['dropped']} dropped as longer than "
+            f"data.max_seq_len, {counts['unsupervised']} without a supervised (assistant) token"
+        )
     header = run_header(cfg, target, samples, counts, world)
     store_dir = Path(cfg.precompute.store_dir)
     claim_store_dir(store_dir, header)
@@ -218,6 +224,10 @@ def _get(d: dict, key: tuple[str, ...]):
     return d
 
 
+class DiskFull(ValueError):
+    """The disk cannot hold the store: the user frees space or chooses another place (one line)."""
+
+
 def check_disk(store_dir: Path, header: dict, verbose: bool = True) -> None:
     """Print the store's size estimate; refuse to start when the disk cannot hold the rest of it."""
     estimate = header["data"]["num_tokens"] * header["bytes_per_token"]
@@ -232,7 +242,7 @@ def check_disk(store_dir: Path, header: dict, verbose: bool = True) -> None:
             f"{_size(written)} already written, {_size(free)} free in {store_dir}"
         )
     if free < needed + margin:
-        raise RuntimeError(
+        raise DiskFull(
             f"not enough disk for the store in {store_dir}: it needs {_size(needed)} more "
             f"(+ {_size(margin)} margin) but only {_size(free)} is free; free space, pass "
             "precompute.hidden_dtype=fp8 (half the size), or choose another precompute.store_dir"

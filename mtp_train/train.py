@@ -210,6 +210,27 @@ def check_finite(t: Training, loss: torch.Tensor, grad_norm: torch.Tensor | None
         )
 
 
+UNROLL_NOTE = 8
+"""Above this many chained steps per sample, training says what it costs (engines draft k ≤ 5–8)."""
+
+
+def setting_notes(cfg: RunConfig) -> list[str]:
+    """Settings that are legal but rarely what was meant, in words, before any work."""
+    notes = []
+    if cfg.model.tp_size > 1:
+        notes.append(
+            f"note: model.tp_size={cfg.model.tp_size} is for the stages that run the target (regenerate, "
+            "precompute, validate); the head trains data-parallel over all processes, unsharded"
+        )
+    if cfg.train.unroll_steps > UNROLL_NOTE:
+        notes.append(
+            f"note: train.unroll_steps={cfg.train.unroll_steps} runs the head {cfg.train.unroll_steps} times per "
+            "sample and step (each step costs about as many single-step ones); engines draft chains of "
+            f"k ≤ 5–8, and positions past k are never served"
+        )
+    return notes
+
+
 class DeadHead(FloatingPointError):
     """Training stopped: the gradient has been exactly zero for `train.dead_steps` steps."""
 
@@ -240,6 +261,8 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, Store, int]:
     step to start from."""
     checked(cfg)
     tc = cfg.train
+    for line in setting_notes(cfg):
+        print(line, flush=True)
     # cpu=True without CUDA: otherwise accelerate ignores torchrun's ranks on a CPU-only host.
     acc = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available())
     torch.manual_seed(tc.seed)

@@ -380,3 +380,37 @@ def test_resume_says_what_changed_and_applies_it_or_refuses_it(tiny_target, tmp_
     train(config(base + ["train.steps=8"]))
     out = capsys.readouterr().out
     assert "ckpt-0000006 is damaged (state.json does not match its sha256" in out and "at step 4" in out
+
+
+def test_more_user_errors_are_one_line(tiny_target, tmp_path, capsys):
+    """An unset mandatory value, a full disk, a head whose config.json is not JSON, an empty data
+    file: one line each, naming the field or the file, exit code 2."""
+    import errno
+
+    from mtp_train.cli import one_line_errors
+
+    def one_line(fn) -> str:
+        with pytest.raises(SystemExit) as e:
+            one_line_errors(fn)()
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.count("\n") == 2, err  # the error, the hint
+        return err
+
+    assert "model.target is not set" in one_line(lambda: checked(config(["model=tiny_random"])))
+
+    def full_disk():
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt-0000010" / "x"))
+
+    assert f"no space left on the device writing {tmp_path}/ckpt-0000010/x" in one_line(full_disk)
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{not json")
+    assert f"{head}/config.json: not valid JSON" in one_line(lambda: ex.read_head_config(head))
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cfg = config(tiny(tiny_target, tmp_path / "run", f"data.train_files=[{empty}]"))
+    assert "give no training sample: 0 records" in one_line(lambda: run_precompute(cfg))
+    assert not (tmp_path / "run" / "store" / "manifest.json").exists()

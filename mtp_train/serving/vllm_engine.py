@@ -85,12 +85,13 @@ class Engine:
 
 def head_method(head_dir: str | Path) -> str:
     """vLLM's speculative method for an exported head directory, or a named refusal."""
+    from inference_ref.head_spec import read_json
     from mtp_train.serving.vllm_plugin import ARCHITECTURES, FORMAT, FORMAT_VERSION, METHODS
 
     path = Path(head_dir) / "config.json"
     if not path.exists():
         raise CannotServe(f"{head_dir}: no config.json (expected an exported head: export.formats=[vllm])")
-    config = json.loads(path.read_text())
+    config = read_json(path)
     arch = (config.get("architectures") or [None])[0]
     if config.get("format") == "mtp-train-head":
         raise CannotServe(
@@ -122,10 +123,11 @@ def head_method(head_dir: str | Path) -> str:
 def check_head_fits_target(head_dir: str | Path, target_dir: str | Path) -> None:
     """Refuse a head made for another target: sizes and auxiliary layers against the target's
     config, and for the `vllm` layout the recorded target identity."""
+    from inference_ref.head_spec import read_json
     from mtp_train.target_files import check_same_target, target_identity
 
-    config = json.loads((Path(head_dir) / "config.json").read_text())
-    target = json.loads((Path(target_dir) / "config.json").read_text())
+    config = read_json(Path(head_dir) / "config.json")
+    target = read_json(Path(target_dir) / "config.json")
     layer = config.get("transformer_layer_config", config)  # the speculators layout nests it
     hidden = config.get("target_hidden_size", layer.get("hidden_size"))
     for key, value in (("hidden_size", hidden), ("vocab_size", layer.get("vocab_size"))):
