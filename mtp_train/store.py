@@ -481,12 +481,9 @@ class Store:
         training run pays the hashing once per store, not once per start; a corruption that keeps
         size and time (bit rot, a tool that restores mtimes) is then found only by a `full` check."""
         shards = self.manifest["shards"]
-        held = sum(s["samples"] for s in shards)
-        if held != self.manifest["num_samples"]:
-            raise ValueError(
-                f"store {self.path}: manifest.json lists shards holding {held} samples but says "
-                f"num_samples {self.manifest['num_samples']}: the manifest is damaged; {REPAIR}"
-            )
+        problem = self.manifest_problem()
+        if problem:
+            raise ValueError(f"store {self.path}: {problem}: the manifest is damaged; {REPAIR}")
         cache_path = self.path / "verified.json"
         cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
         stale = [s for s in shards if full or cache.get(s["file"]) != self._stamp(s)]
@@ -504,6 +501,27 @@ class Store:
                 write_json_atomic(cache_path, cache)
             except OSError:  # a read-only store: verified again next time
                 pass
+
+    def manifest_problem(self) -> str | None:
+        """How manifest.json disagrees with the run's own records, or None: its counts against its
+        shards, against the samples the run precomputed (`run.json`), and its shards against those
+        the ranks' journals committed (a shard entry deleted from the manifest, with the counts
+        edited to match, would otherwise train on part of the data unnoticed)."""
+        shards = self.manifest["shards"]
+        held = sum(s["samples"] for s in shards)
+        if held != self.manifest["num_samples"]:
+            return f"manifest.json lists shards holding {held} samples but says num_samples {self.manifest['num_samples']}"
+        run = self.path / "run.json"
+        if run.exists():
+            expected = json.loads(run.read_text())["data"]["num_samples"]
+            if held != expected:
+                return f"manifest.json lists {held} samples, the run precomputed {expected} (run.json)"
+        listed = {s["file"] for s in shards}
+        for path in sorted(self.path.glob("journal-*.jsonl")):
+            lost = [e["file"] for e in Journal(path).read() if e["file"] not in listed]
+            if lost:
+                return f"{path.name} committed {lost[0]}, which manifest.json does not list"
+        return None
 
     def _stamp(self, shard: dict) -> list:
         """What a verified shard looks like on disk: size, modification time, the manifest's sha256."""
@@ -532,7 +550,10 @@ def repair(store_dir: str | Path) -> list[str]:
     store_dir = Path(store_dir)
     try:
         store = Store(store_dir)
-    except ValueError:  # a damaged manifest.json: precompute merges it again from the journals
+        problem = store.manifest_problem()
+    except ValueError:
+        problem = "unreadable"
+    if problem:  # a damaged manifest.json: precompute merges it again from the ranks' records
         for path in (store_dir / "manifest.json", store_dir / "verified.json"):
             path.unlink(missing_ok=True)
         return ["manifest.json"]

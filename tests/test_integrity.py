@@ -414,3 +414,43 @@ def test_more_user_errors_are_one_line(tiny_target, tmp_path, capsys):
     cfg = config(tiny(tiny_target, tmp_path / "run", f"data.train_files=[{empty}]"))
     assert "give no training sample: 0 records" in one_line(lambda: run_precompute(cfg))
     assert not (tmp_path / "run" / "store" / "manifest.json").exists()
+
+
+def test_a_manifest_missing_a_shard_is_found_and_rebuilt(tiny_target, tmp_path):
+    """A shard entry deleted from manifest.json with the counts edited to match: verify names it
+    against the run's records (run.json, the journals), repair drops the manifest, and precompute
+    merges it again from the ranks' records, whole."""
+    import json
+
+    cfg = config(tiny(tiny_target, tmp_path, "precompute.shard_tokens=1000"))
+    store_dir = run_precompute(cfg)
+    path = store_dir / "manifest.json"
+    whole = json.loads(path.read_text())
+    assert len(whole["shards"]) > 1
+    cut = dict(whole, shards=whole["shards"][1:])
+    cut["num_samples"] = sum(s["samples"] for s in cut["shards"])
+    path.write_text(json.dumps(cut))
+    with pytest.raises(
+        ValueError, match=r"manifest.json lists \d+ samples, the run precomputed 16 \(run.json\)"
+    ):
+        Store(store_dir).verify()
+    (store_dir / "run.json").write_text(
+        json.dumps(
+            dict(
+                json.loads((store_dir / "run.json").read_text()),
+                data={**whole["data"], "num_samples": cut["num_samples"]},
+            )
+        )
+    )  # the run's count edited too: the journals still say which shards were committed
+    with pytest.raises(
+        ValueError,
+        match=r"journal-00000.jsonl committed shard-00000-\d+.safetensors, which manifest.json does not list",
+    ):
+        Store(store_dir).verify()
+    (store_dir / "run.json").write_text(
+        json.dumps(dict(json.loads((store_dir / "run.json").read_text()), data=whole["data"]))
+    )
+    assert repair(store_dir) == ["manifest.json"]
+    run_precompute(cfg)
+    assert json.loads(path.read_text())["num_samples"] == 16
+    Store(store_dir).verify(full=True)
