@@ -10,6 +10,7 @@ rmsnorm-restored (default):
 eagle1 (ablation, the EAGLE paper's head):
     f = final_norm(h);  x = fc([embed(t_{i+1}); f_i]) with bias
     y = layer(x) without input_layernorm;  z = y;  logits = lm_head(y)
+eagle3.1 (EAGLE-3.1): eagle3 with each a_k normalized before fc (fc_norm), chained steps fed z, not y.
 eagle3 (EAGLE-3; Llama-kind targets):
     g = fc([a_1; …; a_n]) (the target's states entering the `aux_layers`, no bias; chained steps: g = y)
     y = g + attn([input_layernorm(embed(t_{i+1})); hidden_norm(g)]);  y += mlp(post_attention_layernorm(y))
@@ -59,6 +60,10 @@ class HeadMath:
     def own(self, spec: HeadSpec) -> dict[str, nn.Module]:
         """fc and the norms, in the order they are built (the random init draws in this order)."""
         raise NotImplementedError
+
+    def native_names(self, spec: HeadSpec) -> Symbolic:
+        """`native_own` for this spec (a kind with one tensor per auxiliary layer lists each)."""
+        return self.native_own
 
     def project(self, head, e: torch.Tensor, state: torch.Tensor, final_norm: Callable, from_target: bool):
         """The layer's input from the next token's embedding `e` and `state`: the target's (maybe
@@ -124,9 +129,41 @@ class Eagle3Math(HeadMath):
             "norm": RMSNorm(h, spec.target.rms_norm_eps),
         }
 
+    fc_norm = False
+    """EAGLE-3.1: an RMSNorm on each auxiliary state before fc (vLLM's config `fc_norm`)."""
+    norm_output = False
+    """EAGLE-3.1: chained steps are fed norm(y), not y (vLLM's config `norm_output`)."""
+
     def project(self, head, e, state, final_norm, from_target):
         h = head.spec.target.hidden_size
         g = head.fc(state[..., h:]) if from_target else state
+        return torch.cat([e, g], -1)
+
+
+class Eagle31Math(Eagle3Math):
+    """EAGLE-3.1 (vLLM 0.32 `llama_eagle3.py`: `fc_norm`, `norm_output`; the EAGLE authors, TorchSpec
+    and vLLM, 2026-05): g = fc([fc_norm_1(a_1); …; fc_norm_n(a_n)]), each target state normalized by
+    its own RMSNorm before the fusion; a chained step gets g = norm(y), the post-norm state whose
+    logits were taken, instead of y. The rest is EAGLE-3's."""
+
+    fc_norm = True
+    norm_output = True
+
+    def own(self, spec):
+        h, eps = spec.target.hidden_size, spec.target.rms_norm_eps
+        norms = nn.ModuleList([RMSNorm(h, eps) for _ in spec.aux_layers])
+        return {**super().own(spec), "fc_norm": norms}
+
+    def native_names(self, spec):
+        return {**self.native_own, **{f"fc_norm.{i}.weight": ("H",) for i in range(len(spec.aux_layers))}}
+
+    def project(self, head, e, state, final_norm, from_target):
+        h = head.spec.target.hidden_size
+        if from_target:
+            parts = state[..., h:].split(h, dim=-1)
+            g = head.fc(torch.cat([norm(a) for norm, a in zip(head.fc_norm, parts)], -1))
+        else:
+            g = head.norm(state)
         return torch.cat([e, g], -1)
 
 
@@ -189,6 +226,16 @@ HEAD_KINDS: dict[str, HeadKind] = {
         layouts=("native", "eagle3", "speculators", "vllm"),
         feature_loss=False,
         target_kinds=("llama", "qwen3"),  # engines serve both with a Llama draft layer
+        fuses_aux=True,
+    ),
+    "eagle3.1": HeadKind(
+        math=Eagle31Math(),
+        training="mtp_train.heads.eagle3:Eagle3Head",
+        serving="inference_ref.eagle3:Eagle3Draft",
+        # vLLM reads fc_norm / norm_output; SGLang's and TensorRT-LLM's EAGLE-3 loaders would drop them
+        layouts=("native", "vllm"),
+        feature_loss=False,
+        target_kinds=("llama", "qwen3"),
         fuses_aux=True,
     ),
 }

@@ -55,7 +55,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # Native names of the shared tensors (`head_spec.SHARED`) → the DraftHead buffers that hold the target's copies.
 SHARED_BUFFERS = {"embed_tokens.weight": "embed_weight", "lm_head.weight": "lm_head_weight"}
 
-# The native table: exactly the training head's state_dict: its kind's own tensors (`HeadKind.math.native_own`),
+# The native table: exactly the training head's state_dict: its kind's own tensors (`HeadKind.math.native_names`),
 # its decoder layer under `layer.` (the head class's `native_block`), the shared ones where stored.
 NATIVE_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "lm_head.weight": ("Vd", "H")}
 
@@ -67,7 +67,7 @@ def native_table(spec: HeadSpec, store_shared: bool) -> dict[str, tuple[int, ...
     dims = {**dims, "Vd": spec.vocab, "nH": len(spec.aux_layers) * spec.target.hidden_size}
     vocabulary = {"d2t": ("Vd",)} if spec.draft_vocab_size else {}
     symbolic = {
-        **spec.kind.math.native_own,
+        **spec.kind.math.native_names(spec),
         **vocabulary,
         **{f"layer.{name}": shape for name, shape in block.items()},
         **(NATIVE_SHARED if store_shared else {}),

@@ -318,3 +318,35 @@ def test_an_eagle3_run_resumes_from_its_checkpoint(deep_target, tmp_path):
     train(config(eagle3_overrides(deep_target, tmp_path, "train.steps=6", "train.save_every=2")))
     rows = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+
+
+def test_eagle3_1_trains_serves_as_trained_and_exports_for_vllm(pipeline, tmp_path):
+    """EAGLE-3.1 (fc_norm on each auxiliary state, chained steps fed norm(y)): trained on the
+    eagle3 store, the serving draft agrees with the training module, and the `vllm` layout is the
+    eagle3 one with vLLM's two switches on and the per-state norms under vLLM's names (vLLM itself
+    serves it in tests/test_vllm.py)."""
+    from mtp_train.validate import run_validation
+
+    cfg = config(
+        eagle3_overrides(
+            pipeline["cfg"].model.target,
+            tmp_path,
+            "model.variant=eagle3.1",
+            f"precompute.store_dir={pipeline['store']}",
+            "export.formats=[native,vllm]",
+        )
+    )
+    train(cfg)
+    report = run_validation(cfg)
+    assert_serves_as_trained(report, k=2)
+    exported = export(cfg)
+    native = load_file(str(exported["native"] / "head.safetensors"))
+    norms = [native[f"fc_norm.{i}.weight"] for i in range(len(AUX))]
+    assert all(n.shape == (64,) and not torch.equal(n, torch.ones(64)) for n in norms)  # trained
+    config_ = json.loads((exported["vllm"] / "config.json").read_text())
+    assert config_["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config_["fc_norm"] is True and config_["norm_output"] is True
+    held = load_file(str(exported["vllm"] / "model.safetensors"))
+    assert all(torch.equal(held[f"fc_norm.{i}.weight"], norms[i]) for i in range(len(AUX)))
+    with pytest.raises(ValueError, match="layout eagle3 is not listed for eagle3.1 heads"):
+        export(config(eagle3_overrides(pipeline["cfg"].model.target, tmp_path, "model.variant=eagle3.1")))

@@ -1,18 +1,20 @@
 """The real vLLM engine (its CPU build) serves every head kind we train (DESIGN.md "Serving"; #35).
 
 On the real SmolLM2-135M-Instruct target, fp32, greedy, the same prompt token ids, the same number
-of new tokens and the same chain length: for an eagle3, a rmsnorm-restored and an eagle1 head,
-exported in the `vllm` layout (stock vLLM's EAGLE-3 class for eagle3, this package's plugin for the
-other two), vLLM loads exactly the exported tensors, its own spec-decode counters equal our loop's
+of new tokens and the same chain length: for an eagle3, an eagle3.1, a rmsnorm-restored and an eagle1
+head, exported in the `vllm` layout (stock vLLM's EAGLE-3 class for eagle3 and eagle3.1, this
+package's plugin for the other two), vLLM loads exactly the exported tensors, its own spec-decode counters equal our loop's
 (`inference_ref.speculative.speculative_generate`: num_drafts = tried[0], accepted per position =
 accepted), and its speculative output equals its target-only output. A deliberately wrong export
 (the restored head with fc's halves swapped) loads and decodes losslessly but fails the comparison.
 
-The heads are trained a few steps on the target's own answers to the very prompts decoded (its
-vLLM target-only output, which the tests need anyway): the point is non-trivial counts at every
+The heads are trained a few steps on the target's own greedy answers to the very prompts decoded
+(inference_ref's, which vLLM's target alone must equal): the point is non-trivial counts at every
 chain position, so that the comparison means something, not a head that generalizes. Each head
-has a draft vocabulary, so `d2t` is exercised in every class. One target-only vLLM run and one run
-of the four heads, each in one child process (`mtp_train.serving.vllm_engine`), are shared by the tests.
+has a draft vocabulary, so `d2t` is exercised in every class. One child process
+(`mtp_train.serving.vllm_engine`) runs the target alone and then each head, one engine each; the
+tests share it. Further down: validation through vLLM (`validate.engine=vllm`), the serve entry
+point, refusals before any engine starts, and a tiny Qwen3 target.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("eagle3", "rmsnorm-restored", "eagle1")
+KINDS = ("eagle3", "eagle3.1", "rmsnorm-restored", "eagle1")
 NUM_PROMPTS, MAX_NEW, K, DRAFT_VOCAB = 3, 24, 3, 2048
 WRONG = "restored-fc-halves-swapped"
 
@@ -62,7 +64,7 @@ def pipeline_config(base: Path, variant: str, conversations: Path, *extra: str):
         f"run_dir={base}",
         f"data.train_files=[{conversations}]",
         "data.max_seq_len=256",
-        "precompute.aux=true",  # one store for the three: the last layer's states and eagle3's layers
+        "precompute.aux=true",  # one store for all: the last layer's states and eagle3's layers
         f"precompute.store_dir={base / 'store'}",
         f"train.out_dir={base / variant}",
         "train.steps=30",
@@ -169,7 +171,8 @@ def test_vllm_loads_exactly_the_exported_tensors(served, kind):
     is the export's tensor, and the only ones not in the file are the target's own embedding."""
     run = served["runs"][kind]
     draft = served["engine"][kind]["draft"]
-    assert draft["class"] == {"eagle3": "Eagle3LlamaForCausalLM", **ARCHITECTURES}[kind]
+    stock = {"eagle3": "Eagle3LlamaForCausalLM", "eagle3.1": "Eagle3LlamaForCausalLM"}
+    assert draft["class"] == {**stock, **ARCHITECTURES}[kind]
     assert draft["shared"] == ["model.embed_tokens.weight"]  # lm_head: the draft vocabulary's own rows
     held = load_file(str(Path(run.dump_draft) / "draft.safetensors"))
     expected = expected_draft_params(run.head)

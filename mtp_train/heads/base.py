@@ -79,7 +79,7 @@ class DraftHead(nn.Module):
         """A final norm starts at the target's final norm (z lives where final_norm(h) does); the
         other norms at one; linears, the router and the stacked experts small."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.startswith("fc_norm."):  # (EAGLE-3.1's fc_norm.<i>)
                 nn.init.ones_(p)
             elif p.dim() >= 2:
                 nn.init.normal_(p, std=0.02)

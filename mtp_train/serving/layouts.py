@@ -138,6 +138,7 @@ def eagle3_tensors(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, layer_pr
     with a draft vocabulary, as the EAGLE reference writes them (its loader deletes them otherwise)."""
     out = {f"{layer_prefix}{n[len('layer.') :]}": t for n, t in tensors.items() if n.startswith("layer.")}
     out.update({n: tensors[n] for n in ("fc.weight", "norm.weight", "lm_head.weight")})
+    out.update({n: t for n, t in tensors.items() if n.startswith("fc_norm.")})  # EAGLE-3.1
     if spec.draft_vocab_size:
         d2t = tensors["d2t"].long()
         t2d = torch.zeros(spec.target.vocab_size, dtype=torch.bool)
@@ -147,7 +148,13 @@ def eagle3_tensors(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, layer_pr
 
 
 def eagle3_table(spec: HeadSpec, layer_prefix: str, extra: Symbolic | None = None) -> Table:
-    symbolic = {**{layer_prefix + n: s for n, s in EAGLE3_BLOCK.items()}, **EAGLE3_OWN, **(extra or {})}
+    fc_norms = {n: s for n, s in spec.kind.math.native_names(spec).items() if n.startswith("fc_norm.")}
+    symbolic = {
+        **{layer_prefix + n: s for n, s in EAGLE3_BLOCK.items()},
+        **EAGLE3_OWN,
+        **fc_norms,  # EAGLE-3.1
+        **(extra or {}),
+    }
     if spec.draft_vocab_size:
         symbolic.update(EAGLE3_VOCAB)
     return resolve(symbolic, eagle3_dims(spec))
@@ -171,6 +178,9 @@ def eagle3_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity:
         "attention_bias": False,
         "mlp_bias": False,
         "norm_before_residual": False,
+        # EAGLE-3.1's two switches (vLLM llama_eagle3.py reads both; false: EAGLE-3)
+        "fc_norm": spec.kind.math.fc_norm,
+        "norm_output": spec.kind.math.norm_output,
         "eagle_aux_hidden_state_layer_ids": list(spec.aux_layers),
         "num_aux_hidden_states": len(spec.aux_layers),  # what vLLM sizes fc by (see speculators_export)
         "eagle_config": {
@@ -276,10 +286,10 @@ VLLM_LAYER_KINDS = ("llama", "qwen3")  # the plugin's decoder layers (vllm_model
 
 def vllm_own(spec: HeadSpec) -> Symbolic:
     """The head's own tensors as the plugin's classes name them: the native names
-    (`HeadKind.math.native_own`), the layer's under `layers.0.` instead of `layer.`."""
+    (`HeadKind.math.native_names`), the layer's under `layers.0.` instead of `layer.`."""
     return {
         (f"layers.0.{n[len('layer.') :]}" if n.startswith("layer.") else n): shape
-        for n, shape in spec.kind.math.native_own.items()
+        for n, shape in spec.kind.math.native_names(spec).items()
     }
 
 
@@ -297,7 +307,7 @@ def vllm_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: d
     block the class checks: format, version, variant, the target)."""
     from mtp_train.serving import vllm_plugin  # constants only: imports no vLLM
 
-    if spec.variant == "eagle3":
+    if spec.kind.fuses_aux:  # eagle3, eagle3.1: stock vLLM's Eagle3LlamaForCausalLM
         return eagle3_export(tensors, spec, identity)
     if spec.variant not in vllm_plugin.ARCHITECTURES:
         raise LayoutUnsupported(f"layout vllm: no vLLM class serves a {spec.variant} head")
