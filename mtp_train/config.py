@@ -327,6 +327,9 @@ class ValidateConfig:
     mtp_train/validate/engine.py). Chains only: trees and SSD are this loop's."""
     engine_temperatures: list[float] | None = None
     """The temperatures the engine decodes at (default: `temperatures`)."""
+    engine_target_alone: bool = True
+    """Also run the engine's target alone (one more engine start) and compare its speculative
+    answers with those; off, with inference_ref's target alone (equal in fp32: tests/test_vllm.py)."""
     report: str = "${run_dir}/validate/report.json"
     """JSON report path (a PNG plot is written beside it)."""
     seed: int = 0

@@ -64,7 +64,8 @@ def vllm_validation(vc, run: Run, ev: Evaluator, prompts, target_tokens, specula
         head = export_layouts(vc.head, run.target, ["vllm"], Path(tmp), dtype=vc.dtype)["vllm"]
         # sampled, vLLM drafts as our loop does (from the draft's distribution, judged by p/q), so
         # that the two differ by random numbers only; its default drafts the argmax (see the docs)
-        runs = [EngineRun("target")] + [
+        runs = [EngineRun("target")] if vc.engine_target_alone else []
+        runs += [
             EngineRun(f"{temperature_name(t)} k={k}", str(head), k, t, vc.seed, draft_sampling(t))
             for k in vc.chain_lengths
             for t in temperatures
@@ -72,23 +73,25 @@ def vllm_validation(vc, run: Run, ev: Evaluator, prompts, target_tokens, specula
         longest = max(map(len, ids)) + vc.max_new_tokens + max(vc.chain_lengths) + 1
         engine = Engine(dtype=vc.dtype, max_model_len=longest, max_num_seqs=vc.batch_size)
         result = run_vllm(run.target.dir, ids, vc.max_new_tokens, ev.eos, runs, engine)
-    alone = result["target"]["tokens"]
-    report = {
-        "name": "vllm",
-        "version": result["vllm_version"],
-        "answers": len(ids),
-        "target_only": {
+    alone = result["target"]["tokens"] if vc.engine_target_alone else None
+    report = {"name": "vllm", "version": result["vllm_version"], "answers": len(ids), "speculative": {}}
+    if alone is not None:
+        report["target_only"] = {
             "identical_to_inference_ref": share_identical(alone, target_tokens),
             "seconds": result["target"]["generate_s"],
-        },
-        "speculative": {},
-    }
+        }
     for t in temperatures:
         name = temperature_name(t)
         for k in vc.chain_lengths:
             theirs = result[f"{name} k={k}"]
             figures = engine_figures(theirs)
-            figures["identical_to_vllm_target"] = share_identical(theirs["tokens"], alone) if t == 0 else None
+            greedy = t == 0
+            figures["identical_to_vllm_target"] = (
+                share_identical(theirs["tokens"], alone) if greedy and alone is not None else None
+            )
+            figures["identical_to_inference_ref_target"] = (
+                share_identical(theirs["tokens"], target_tokens) if greedy else None
+            )
             figures["gap"] = engine_gap(speculative[name][f"k={k}"]["counts"], figures["counts"])
             report["speculative"].setdefault(name, {})[f"k={k}"] = figures
     return report

@@ -204,10 +204,12 @@ def summary(report: dict) -> str:
 
 def engine_summary(engine: dict) -> list[str]:
     """validate.engine's figures beside ours, in words."""
-    lines = [
-        f"vLLM {engine['version']} on the same {engine['answers']} prompts: its target alone answers "
-        f"{engine['target_only']['identical_to_inference_ref']:.0%} of them as inference_ref's target does"
-    ]
+    lines = [f"vLLM {engine['version']} on the same {engine['answers']} prompts"]
+    if "target_only" in engine:
+        lines[0] += (
+            f": its target alone answers {engine['target_only']['identical_to_inference_ref']:.0%} of them "
+            "as inference_ref's target does"
+        )
     for mode, runs in engine["speculative"].items():
         for name, run in runs.items():
             gap = run["gap"]
@@ -222,5 +224,10 @@ def engine_summary(engine: dict) -> list[str]:
             )
             if run["identical_to_vllm_target"] is not None:
                 line += f"; {run['identical_to_vllm_target']:.0%} of answers identical to vLLM's target alone"
+            elif run.get("identical_to_inference_ref_target") is not None:
+                line += (
+                    f"; {run['identical_to_inference_ref_target']:.0%} of answers identical to "
+                    "inference_ref's target alone"
+                )
             lines.append(line)
     return lines
