@@ -177,10 +177,14 @@ def test_a_shard_index_pointing_outside_the_target_is_refused(tmp_path):
 
 
 def test_precompute_reports_what_it_kept(tiny_target, tmp_path, capsys):
-    cfg = config(tiny(tiny_target, tmp_path, "data.max_seq_len=64", "data.overlong=drop"))
+    cfg = config(tiny(tiny_target, tmp_path, "data.max_seq_len=200", "data.overlong=drop"))
     run_precompute(cfg)
     printed = capsys.readouterr().out
     assert "16 records →" in printed and "dropped as over-long" in printed
+    # every record dropped: no empty store, but the counts that say why
+    cfg = config(tiny(tiny_target, tmp_path / "none", "data.max_seq_len=64", "data.overlong=drop"))
+    with pytest.raises(ValueError, match="give no training sample: 16 records .* 16 dropped as longer than"):
+        run_precompute(cfg)
 
 
 def test_a_manifest_missing_a_shard_or_unreadable_is_refused(tiny_target, tmp_path):

@@ -23,7 +23,7 @@ from inference_ref.models.llama import load_llama
 from mtp_train.config import RunConfig
 from mtp_train.data import load_samples
 from mtp_train.parallel import Ranks
-from mtp_train.precompute import pack_by_length, precompute_rank, prepare, run_precompute
+from mtp_train.precompute import DiskFull, pack_by_length, precompute_rank, prepare, run_precompute
 from mtp_train.store import Store, merge_manifests
 
 REPO = Path(__file__).resolve().parents[1]
@@ -292,7 +292,7 @@ def test_refuses_to_start_without_disk_space(tiny_target, chat_file, tmp_path, m
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 5000, 5000))
     cfg = make_cfg(tiny_target, chat_file, tmp_path / "store")
-    with pytest.raises(RuntimeError, match=r"not enough disk .* needs .* KiB more .* only 4\.9 KiB is free"):
+    with pytest.raises(DiskFull, match=r"not enough disk .* needs .* KiB more .* only 4\.9 KiB is free"):
         run_precompute(cfg)
     assert "store estimate" in capsys.readouterr().out
     assert not list((tmp_path / "store").glob("shard-*"))
