@@ -96,25 +96,28 @@ def export_vllm(head_dir: Path, target: Path, out: Path, swap_fc_halves: bool = 
     return out
 
 
+def answered(target_dir: Path, base: Path):
+    """The target (fp32), the first MT-bench turns as token ids, EOS ids, its greedy answers, and
+    those answers as a conversation file (the heads' training data)."""
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    prompts = load_prompts([REPO / "data" / "mt_bench.jsonl"], limit=NUM_PROMPTS)
+    ids = prompt_ids(tokenizer, [p.turns[0] for p in prompts])
+    target = load_target(target_dir, "cpu", torch.float32)
+    eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
+    answers = generate(target, ids, MAX_NEW, eos)
+    conversations = base / "answers.jsonl"
+    with open(conversations, "w") as f:
+        for p, new in zip(prompts, answers):
+            reply = {"role": "assistant", "content": tokenizer.decode([t for t in new if t not in eos])}
+            f.write(json.dumps({"id": p.id, "messages": [*p.turns[0], reply]}) + "\n")
+    return target, ids, eos, answers, conversations
+
+
 @pytest.fixture(scope="module")
 def served(smollm2, tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm")
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
-    prompts = load_prompts([REPO / "data" / "mt_bench.jsonl"], limit=NUM_PROMPTS)
-    ids = prompt_ids(tokenizer, [p.turns[0] for p in prompts])
-    target = load_target(smollm2, "cpu", torch.float32)
-    eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
-
     # 1. Our target alone, greedy: the heads' training answers (and, below, vLLM's reference).
-    ours_alone = generate(target, ids, MAX_NEW, eos)
-    conversations = base / "answers.jsonl"
-    with open(conversations, "w") as f:
-        for p, new in zip(prompts, ours_alone):
-            answer = tokenizer.decode([t for t in new if t not in eos])
-            f.write(
-                json.dumps({"id": p.id, "messages": [*p.turns[0], {"role": "assistant", "content": answer}]})
-                + "\n"
-            )
+    target, ids, eos, ours_alone, conversations = answered(smollm2, base)
 
     # 2. Train each kind a few steps (one store), export it; ours: the same prompts through our loop.
     from mtp_train.precompute import run_precompute
@@ -349,20 +352,7 @@ def served_qwen3(smollm2, tmp_path_factory):
     weights = load_file(str(target_dir / "model.safetensors"))
     weights = {n: t * 6 if "proj" in n else t for n, t in weights.items()}
     save_file(weights, str(target_dir / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    prompts = load_prompts([REPO / "data" / "mt_bench.jsonl"], limit=NUM_PROMPTS)
-    ids = prompt_ids(tokenizer, [p.turns[0] for p in prompts])
-    target = load_target(target_dir, "cpu", torch.float32)
-    eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
-    answers = generate(target, ids, MAX_NEW, eos)
-    conversations = base / "answers.jsonl"
-    with open(conversations, "w") as f:
-        for p, new in zip(prompts, answers):
-            answer = tokenizer.decode([t for t in new if t not in eos])
-            f.write(
-                json.dumps({"id": p.id, "messages": [*p.turns[0], {"role": "assistant", "content": answer}]})
-            )
-            f.write("\n")
+    target, ids, eos, answers, conversations = answered(target_dir, base)
     qwen3 = (f"model.target={target_dir}", "model.name=tiny_qwen3")
     run_precompute(pipeline_config(base, "eagle3", conversations, *qwen3))
     ours, runs = {}, [Run("target")]
