@@ -268,23 +268,23 @@ PROGRESS = "[vllm] "
 
 def _follow(proc: subprocess.Popen, log: Path, timeout: float) -> int:
     """Wait for the child, printing its progress lines; kill it past `timeout` seconds."""
-    deadline, seen = time.monotonic() + timeout, 0
-    while True:
-        try:
-            returncode = proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            returncode = None
-        lines = log.read_text(errors="replace").splitlines()
-        for line in lines[seen:]:
-            if line.startswith(PROGRESS):
-                print(line, flush=True)
-        seen = len(lines)
-        if returncode is not None:
-            return returncode
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            return -9
+    deadline, partial = time.monotonic() + timeout, ""
+    with open(log, errors="replace") as reader:  # read on from where it was: the log grows long
+        while True:
+            try:
+                returncode = proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                returncode = None
+            *lines, partial = (partial + reader.read()).split("\n")  # a line being written waits
+            for line in lines:
+                if line.startswith(PROGRESS):
+                    print(line, flush=True)
+            if returncode is not None:
+                return returncode
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                return -9
 
 
 def child_env(engine: Engine) -> dict:

@@ -15,7 +15,7 @@ from mtp_train.data import load_prompts
 from mtp_train.export import load_head
 from mtp_train.projection import project
 from mtp_train.run import resolve_run
-from mtp_train.validate.engine import check_engine, vllm_validation
+from mtp_train.validate.engine import check_engine, share_identical, vllm_validation
 from mtp_train.validate.parity import holdout_samples, samples_of, store_rounding, teacher_forced
 from mtp_train.validate.passes import (
     Evaluator,
@@ -74,8 +74,7 @@ def run_validation(cfg: RunConfig) -> dict:
             if temperature == 0:
                 figures["identical_to_target_greedy"] = tokens == base_tokens
                 # in bf16 near-ties can part the texts (see validate.dtype): the share that did not
-                same = sum(a == b for a, b in zip(tokens, base_tokens))
-                figures["identical_answers"] = same / max(1, len(base_tokens))
+                figures["identical_answers"] = share_identical(tokens, base_tokens)
             figures["speedup_vs_target_only"] = figures["tokens_per_s"] / baseline["tokens_per_s"]
             runs[key] = figures
     head = load_head(vc.head, run.target).to(device=run.device, dtype=run.dtype)
