@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from inference_ref.attention import Placement
+from inference_ref.generate import draw, probabilities
 from inference_ref.head_spec import SHARED, HeadSpec, draft_ids
 from inference_ref.loading import placed
 from inference_ref.models import TARGET_KINDS
+from inference_ref.ssd import saguaro
 from inference_ref.target import Cache, TargetModel
 
 
@@ -138,6 +140,64 @@ class Draft(nn.Module):
         its depth; a mask that shows it the committed entries, its ancestors and itself, which is
         what `chain` would see on the node's own path). Returns the nodes' y [B, F, H]."""
         return self.run_layer(self.project(y, tokens, from_target=False), cache, placement=placement)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        y: torch.Tensor,
+        last: torch.Tensor,
+        cache: Cache,
+        k: int,
+        temperature: float,
+        generator: torch.Generator | None,
+        static: bool = False,
+        saguaro_shape: tuple[int, float] | None = None,
+        score_after: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """k draft tokens [B, k] chained from y (the entry of the last committed position, which
+        already read `last`), the distributions q [B, k, V] they were drawn from (None when greedy)
+        and the draft's logits [B, k, V] ([B, k + 1, V] with `score_after`: also after d_k, one more
+        chained step). `saguaro_shape` (fan-out, factor): sampled drafts come from Saguaro's q'."""
+        tokens, dists, scores = [], [], []
+        for step in range(k):
+            if step > 0:
+                y = self.chain(y, tokens[-1], cache, step, static)
+            logits = self.logits(y)
+            token, q, _ = self.drafted(logits[:, None], temperature, generator, saguaro_shape)
+            tokens.append(token[:, 0])
+            scores.append(logits)
+            if q is not None:
+                dists.append(q[:, 0])
+        if score_after:
+            scores.append(self.logits(self.chain(y, tokens[-1], cache, k, static)))
+        dists = torch.stack(dists, 1) if dists else None
+        return torch.stack(tokens, 1), dists, torch.stack(scores, 1)
+
+    @staticmethod
+    def drafted(
+        logits: torch.Tensor,
+        temperature: float,
+        generator: torch.Generator | None,
+        saguaro_shape: tuple[int, float] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Tokens [B, n] from logits [B, n, V]: the argmax (greedy), or a draw from each position's
+        q (Saguaro's q' with `saguaro_shape`), returned with q; and the logits."""
+        if temperature == 0:
+            return logits.argmax(-1), None, logits
+        q = probabilities(logits, temperature)
+        if saguaro_shape:
+            q = saguaro(q, *saguaro_shape)
+        return draw(q, generator), q, logits
+
+    chains = True
+    """Whether it drafts by chaining steps (draft trees and SSD's extra step need that)."""
+
+    @torch.inference_mode()
+    def teacher_forced_logits(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [S, V] of the first draft token at every position of one text: the entry for
+        (h_i, t_{i+1}) (hidden [1, S, ·], next_tokens [1, S]) predicts t_{i+2}."""
+        cache = self.new_cache(1, hidden.shape[1])
+        return self.logits(self.prefill(hidden, next_tokens, cache))[0]
 
     @torch.inference_mode()
     def logits(self, y: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,12 @@ eagle1 (ablation, the EAGLE paper's head):
     f = final_norm(h);  x = fc([embed(t_{i+1}); f_i]) with bias
     y = layer(x) without input_layernorm;  z = y;  logits = lm_head(y)
 eagle3.1 (EAGLE-3.1): eagle3 with each a_k normalized before fc (fc_norm), chained steps fed z, not y.
+dflash (DFlash, block diffusion drafting; Llama-kind and Qwen3 targets):
+    c = hidden_norm(fc([a_1; …; a_n]))   the context: one entry per committed position, the K/V
+                                         of every draft layer made from it (no input norm)
+    block [t_{i+1}, m, …, m] (the anchor and block_size − 1 mask tokens) at positions i+1 …:
+    `layers` Qwen3-style layers, each query seeing the context ≤ i and the whole block;
+    z = norm(y);  the mask at position i+1+j predicts t_{i+1+j}, all of them in one forward
 eagle3 (EAGLE-3; Llama-kind targets):
     g = fc([a_1; …; a_n]) (the target's states entering the `aux_layers`, no bias; chained steps: g = y)
     y = g + attn([input_layernorm(embed(t_{i+1})); hidden_norm(g)]);  y += mlp(post_attention_layernorm(y))
@@ -167,6 +173,34 @@ class Eagle31Math(Eagle3Math):
         return torch.cat([e, g], -1)
 
 
+class DFlashMath(HeadMath):
+    """DFlash (z-lab, "DFlash: Block Diffusion for Flash Speculative Decoding"; vLLM 0.32
+    `model_executor/models/qwen3_dflash.py` `DFlashQwen3Model`, `v1/spec_decode/dflash.py`; trained
+    as SpecForge `specforge/modeling/draft/dflash.py` @ a6b6b02 and ModelOpt `hf_dflash.py` @ a2fbac7
+    train it): the target's states at the `aux_layers` fused by fc and normalized by hidden_norm
+    are the context, whose K/V each draft layer makes with its own k/v projections (k_norm and rope
+    at the context position, no input_layernorm); the block's tokens run through the layers
+    (input_layernorm, q/k norms: Qwen3's layer) attending to the context before the anchor and,
+    without a causal mask, to the whole block; z = norm(y). No chained steps: `project` is unused."""
+
+    native_own = {"fc.weight": ("H", "nH"), "hidden_norm.weight": ("H",), "norm.weight": ("H",)}
+
+    def own(self, spec):
+        h, eps = spec.target.hidden_size, spec.target.rms_norm_eps
+        return {
+            "fc": nn.Linear(len(spec.aux_layers) * h, h, bias=False),
+            "hidden_norm": RMSNorm(h, eps),
+            "norm": RMSNorm(h, eps),
+        }
+
+    def context(self, head, state: torch.Tensor) -> torch.Tensor:
+        """c = hidden_norm(fc([a_1; …; a_n])) from widened target states [.., (1 + n)·H]."""
+        return head.hidden_norm(head.fc(state[..., head.spec.target.hidden_size :]))
+
+    def project(self, head, e, state, final_norm, from_target):
+        raise TypeError("a dflash head drafts a block in one forward: it has no chained steps")
+
+
 @dataclass(frozen=True)
 class HeadKind:
     """One head kind: its math, where it is trained, served and exported, and the few facts the
@@ -185,12 +219,19 @@ class HeadKind:
     """The target kinds it can be built for (None: every kind)."""
     fuses_aux: bool = False
     """Its first step fuses the target's auxiliary layers' states (EAGLE-3), not the last layer's."""
+    blocks: bool = False
+    """It drafts a whole block in one forward (DFlash) instead of chaining steps: `HeadSpec`'s
+    `layers`, `block_size` and `mask_token_id` describe it."""
 
-    def aux_layers(self, configured: tuple[int, ...] | None, num_layers: int) -> tuple[int, ...]:
+    def aux_layers(
+        self, configured: tuple[int, ...] | None, num_layers: int, draft_layers: int = 1
+    ) -> tuple[int, ...]:
         """The target layers it reads besides the last: `configured`, or the engines' default."""
         if not self.fuses_aux:
             return ()
-        return tuple(configured) if configured is not None else default_aux_layers(num_layers)
+        if configured is not None:
+            return tuple(configured)
+        return dflash_aux_layers(num_layers, draft_layers) if self.blocks else default_aux_layers(num_layers)
 
     def default_draft_vocab(self, vocab_size: int) -> int:
         """A draft vocabulary where none is configured: EAGLE-3's 32k for a large vocabulary."""
@@ -199,7 +240,7 @@ class HeadKind:
     @property
     def always_d2t(self) -> bool:
         """Whether its native file holds d2t even for the whole vocabulary (the engines' EAGLE-3 files do)."""
-        return self.fuses_aux
+        return self.fuses_aux and not self.blocks
 
 
 # EAGLE-3's draft vocabulary where the target's is large (Llama-3's 128k): 32,000 tokens, the size of
@@ -238,6 +279,16 @@ HEAD_KINDS: dict[str, HeadKind] = {
         target_kinds=("llama", "qwen3"),
         fuses_aux=True,
     ),
+    "dflash": HeadKind(
+        math=DFlashMath(),
+        training="mtp_train.heads.dflash:DFlashHead",
+        serving="inference_ref.dflash:DFlashDraft",
+        layouts=("native", "vllm"),  # vLLM's DFlashDraftModel
+        feature_loss=False,
+        target_kinds=("llama", "qwen3"),  # targets whose vLLM class hands out auxiliary states
+        fuses_aux=True,
+        blocks=True,
+    ),
 }
 VARIANTS = tuple(HEAD_KINDS)
 
@@ -258,6 +309,13 @@ class HeadSpec:
     """Rows of its lm_head, the most frequent target tokens (0: the whole target vocabulary). The
     draft scores only these: its lm_head work and the training loss's vocabulary work shrink by
     vocab / draft_vocab_size (EAGLE-3's draft vocabulary; FR-Spec's frequency-ranked one)."""
+    layers: int = 1
+    """Decoder layers: dflash's `model.draft_layers`; every other kind has one."""
+    block_size: int = 0
+    """dflash: tokens per drafted block, the anchor and block_size − 1 masks (it drafts up to
+    block_size − 1 tokens per verify); 0 for the chained kinds."""
+    mask_token_id: int = 0
+    """dflash: the token fed at the masked block positions (its frozen target embedding)."""
 
     def __post_init__(self):
         if self.variant not in HEAD_KINDS:
@@ -271,9 +329,29 @@ class HeadSpec:
         check_mlp(self.mlp, self.target.model_type, "model.head_mlp")
         if self.kind.fuses_aux:
             check_aux_layers(self.aux_layers, self.target.num_hidden_layers, "model.aux_layers")
+        self.check_block()
         if not 0 <= self.draft_vocab_size <= self.target.vocab_size:
             raise ValueError(
                 f"model.draft_vocab_size: {self.draft_vocab_size} is not in 0 … {self.target.vocab_size}"
+            )
+
+    def check_block(self) -> None:
+        if not self.kind.blocks:
+            if (self.layers, self.block_size) != (1, 0):
+                raise ValueError(
+                    f"model.draft_layers / model.block_size: a {self.variant} head has one layer and "
+                    f"chains its steps; {self.layers} layers, block size {self.block_size} are dflash's"
+                )
+            return
+        if self.layers < 1 or self.block_size < 2:
+            raise ValueError(
+                f"model.draft_layers={self.layers}, model.block_size={self.block_size}: a dflash head "
+                "needs ≥ 1 layer and a block of ≥ 2 tokens (the anchor and a mask)"
+            )
+        if not 0 <= self.mask_token_id < self.target.vocab_size:
+            raise ValueError(
+                f"model.mask_token_id: {self.mask_token_id} is not a token id of this target "
+                f"(0 … {self.target.vocab_size - 1})"
             )
 
     @property
@@ -303,6 +381,11 @@ class HeadSpec:
             "layer_config": self.target.to_hf(),
             **({"aux_layers": list(self.aux_layers)} if self.kind.fuses_aux else {}),
             **({"draft_vocab_size": self.vocab} if self.kind.always_d2t or self.draft_vocab_size else {}),
+            **(
+                {"layers": self.layers, "block_size": self.block_size, "mask_token_id": self.mask_token_id}
+                if self.kind.blocks
+                else {}
+            ),
         }
 
     @classmethod
@@ -326,7 +409,8 @@ class HeadSpec:
         check_mlp(mlp, target.model_type, f"{where}: mlp")
         vocab = config.get("draft_vocab_size", target.vocab_size)
         draft_vocab = 0 if vocab == target.vocab_size else vocab
-        return cls(config["variant"], target, mlp, tuple(config.get("aux_layers", ())), draft_vocab)
+        block = {k: config[k] for k in ("layers", "block_size", "mask_token_id") if k in config}
+        return cls(config["variant"], target, mlp, tuple(config.get("aux_layers", ())), draft_vocab, **block)
 
 
 def read_json(path: str | Path) -> dict:
@@ -368,6 +452,17 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     L − 3, as vLLM (`get_eagle3_aux_hidden_state_layers` in vllm/model_executor/models/llama.py) and
     the EAGLE reference capture them (docs/export.md cites the commits)."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+def dflash_aux_layers(num_layers: int, draft_layers: int) -> tuple[int, ...]:
+    """DFlash's target layers where none are configured, as z-lab/dflash, SpecForge and ModelOpt
+    pick them (`build_target_layer_ids`): the middle layer for one draft layer, else `draft_layers`
+    spread evenly over 1 … L − 3. Their ids are layer outputs; here the states entering the next
+    layer (vLLM adds the same 1: `get_eagle3_aux_layers_from_config`)."""
+    if draft_layers == 1:
+        return (num_layers // 2 + 1,)
+    start, end = 1, num_layers - 3
+    return tuple(round(start + i * (end - start) / (draft_layers - 1)) + 1 for i in range(draft_layers))
 
 
 def check_aux_layers(layers: tuple[int, ...], num_layers: int, field: str) -> None:

@@ -37,7 +37,7 @@ from inference_ref.generate import (
     right_pad,
     sample,
 )
-from inference_ref.ssd import cache_hits, saguaro
+from inference_ref.ssd import cache_hits
 from inference_ref.target import Cache, TargetModel
 from inference_ref.tree import TreeShape, TreeStep
 
@@ -171,6 +171,11 @@ def speculative_generate(
     chain = isinstance(shape, Chain)  # which step runs: `SpecStep` (chains) or `TreeStep`
     if ssd and not chain:
         raise ValueError("SSD outcome prediction is defined for chains, not trees")
+    if not draft.chains and (ssd or not chain):
+        raise ValueError(
+            f"a {draft.spec.variant} head drafts a block per verify, with no chained steps: "
+            "trees and SSD's outcome prediction are not defined for it"
+        )
     eos = set(eos_ids)
     stats = SpecStats(shape.most_accepted, fan_outs=ssd.fan_outs if ssd else ())
     clock = Clock(device)
@@ -247,9 +252,9 @@ class SpecStep:
         with clock.time("draft"):
             reshape = ssd and ssd.saguaro_factor != 1.0 and (ssd.saguaro_fan_out, ssd.saguaro_factor)
             # SSD's outcome "all K accepted" needs the draft's distribution after d_K: one more step
-            drafted, q, logits = propose(
-                draft,
+            drafted, q, logits = draft.propose(
                 self.y,
+                self.last,
                 dc,
                 self.k,
                 self.temperature,
@@ -314,39 +319,6 @@ def draft_prefill(
     y = draft.prefill(hidden, next_tokens, cache)
     cache.lengths = lengths
     return cache, at_positions(y, lengths - 1)
-
-
-def propose(
-    draft: MTPDraft,
-    y: torch.Tensor,
-    cache: Cache,
-    k: int,
-    temperature: float,
-    generator: torch.Generator | None,
-    static: bool = False,
-    saguaro_shape: tuple[int, float] | None = None,
-    score_after: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """k draft tokens [B, k] chained from y (the entry of the last committed position), the
-    distributions q [B, k, V] they were drawn from (None when greedy) and the draft's logits
-    [B, k, V] ([B, k + 1, V] with `score_after`: also after d_k, one more chained step).
-    `saguaro_shape` (fan-out, factor): sampled drafts come from Saguaro's q'."""
-    tokens, dists, scores = [], [], []
-    for step in range(k):
-        if step > 0:
-            y = draft.chain(y, tokens[-1], cache, step, static)
-        logits = draft.logits(y)
-        scores.append(logits)
-        if temperature == 0:
-            tokens.append(logits.argmax(-1))
-        else:
-            q = probabilities(logits, temperature)
-            dists.append(saguaro(q, *saguaro_shape) if saguaro_shape else q)
-            tokens.append(draw(dists[-1], generator))
-    if score_after:
-        scores.append(draft.logits(draft.chain(y, tokens[-1], cache, k, static)))
-    dists = torch.stack(dists, 1) if dists else None
-    return torch.stack(tokens, 1), dists, torch.stack(scores, 1)
 
 
 def accept(

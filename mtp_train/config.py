@@ -37,10 +37,23 @@ class ModelConfig:
     by its config.json's `model_type`), a Llama `.gguf` file, or `smollm2-135m-instruct` (demo)."""
     variant: str = "rmsnorm-restored"
     """Head architecture: `rmsnorm-restored` (default), `eagle1` (the EAGLE paper's head, for
-    ablations) or `eagle3` (EAGLE-3, Llama-kind targets; needs a store made with `precompute.aux`)."""
+    ablations), `eagle3` / `eagle3.1` (EAGLE-3, EAGLE-3.1) or `dflash` (a block drafter); the
+    last three are for Llama-kind and Qwen3 targets and need a store made with `precompute.aux`."""
     aux_layers: list[int] | None = None
     """eagle3: the target layers whose entering states it fuses (id k = Hugging Face's
-    `hidden_states[k]`); None: 2, L/2, L − 3, the layers vLLM and SGLang capture by default."""
+    `hidden_states[k]`); None: 2, L/2, L − 3, the layers vLLM and SGLang capture by default
+    (dflash: the DFlash references' choice for `draft_layers`, `head_spec.dflash_aux_layers`)."""
+    draft_layers: int = 1
+    """dflash: its decoder layers (SpecForge's default; its shipped recipes and ModelOpt use 5).
+    The chained kinds have one."""
+    block_size: int = 8
+    """dflash: tokens per block, the anchor and block_size − 1 masks: it drafts up to
+    block_size − 1 tokens per verify (ModelOpt's default 8; SpecForge's 16). Ignored by the
+    chained kinds."""
+    mask_token_id: int | None = None
+    """dflash: the token id fed at masked block positions (its frozen target embedding); None:
+    the tokenizer's mask token, else its first unused embedding row, else pad, else EOS (the
+    order SpecForge and speculators follow)."""
     draft_vocab_size: int | None = None
     """The draft vocabulary: the head scores only the most frequent target tokens of the training
     answers (its lm_head and loss cost shrink in proportion). None: for eagle3 32,000 on target
@@ -56,7 +69,8 @@ class ModelConfig:
             self.dtype,
             "auto, bfloat16 or float32",
         )
-        at_least("model", self, 1, "draft_vocab_size", "tp_size")
+        at_least("model", self, 1, "draft_vocab_size", "tp_size", "draft_layers")
+        at_least("model", self, 2, "block_size")
         require(
             self.aux_layers is None or len(self.aux_layers) > 0,
             "model.aux_layers",
@@ -212,6 +226,10 @@ class TrainConfig:
     """Train k chained steps, the head consuming its own output state after the first."""
     unroll_decay: float = 0.8
     """Loss weight of chained step j is decay^(j-1)."""
+    dflash_gamma: float | None = None
+    """dflash: block position j's loss weight is exp(−(j − 1)/γ) (DFlash's decay; `unroll_steps`
+    and `unroll_decay` do not apply: every mask of the block is trained). None: the paper's γ
+    for the block size, 7 for 16, 5 for 10, 4 for 8 and below (SpecForge's and ModelOpt's help)."""
     seed: int = 0
     """Seed for data order and initialisation."""
     save_every: int = 500
@@ -248,6 +266,9 @@ class TrainConfig:
         at_least("train", self, 0, "dead_steps")
         require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
         require(0 < self.unroll_decay <= 1, "train.unroll_decay", self.unroll_decay, "in (0, 1]")
+        require(
+            self.dflash_gamma is None or self.dflash_gamma > 0, "train.dflash_gamma", self.dflash_gamma, "> 0"
+        )
         require(self.w_p + self.w_h > 0, "train.w_p + train.w_h", self.w_p + self.w_h, "> 0")
         betas = list(self.betas)
         require(

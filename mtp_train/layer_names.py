@@ -62,6 +62,16 @@ LLAMA_BLOCK: Symbolic = {
 }
 
 
+# A DFlash draft layer (vLLM 0.32 `qwen3_dflash.py` `DFlashQwen3DecoderLayer`, checkpoint names as
+# SpecForge and ModelOpt export them): Qwen3's layer, input_layernorm and per-head q/k norms included.
+DFLASH_LAYER: Symbolic = {
+    **LLAMA_BLOCK,
+    "input_layernorm.weight": ("H",),
+    "self_attn.q_norm.weight": ("D",),
+    "self_attn.k_norm.weight": ("D",),
+}
+
+
 # EAGLE-3's decoder layer: q/k/v read 2H ([input_layernorm(embed); hidden_norm(g)]); `serving.layouts`
 # cites the engine loaders it was read from.
 EAGLE3_BLOCK: Symbolic = {

@@ -86,19 +86,45 @@ def aux_layers_of(model, target: TargetConfig) -> tuple[int, ...]:
     with `precompute.aux`)."""
     if model.aux_layers is not None:
         return tuple(model.aux_layers)
+    kind = HEAD_KINDS.get(model.variant)
+    if kind is not None and kind.fuses_aux:
+        return kind.aux_layers(None, target.num_hidden_layers, model.draft_layers)
     return default_aux_layers(target.num_hidden_layers)
 
 
-def head_spec(model, target: TargetConfig) -> HeadSpec:
+def head_spec(model, target: TargetConfig, target_dir: Path) -> HeadSpec:
     """The head the `model` config group asks for on `target` (its kind's defaults where unset:
-    the engines' aux layers, a draft vocabulary for a large target vocabulary)."""
+    the engines' aux layers, a draft vocabulary for a large target vocabulary, dflash's mask token
+    from the tokenizer in `target_dir`)."""
     if model.variant not in HEAD_KINDS:
         raise ValueError(f"model.variant: {model.variant!r} is not one of {VARIANTS}")
     kind = HEAD_KINDS[model.variant]
     configured = None if model.aux_layers is None else tuple(model.aux_layers)
-    aux = kind.aux_layers(configured, target.num_hidden_layers)
+    aux = kind.aux_layers(configured, target.num_hidden_layers, model.draft_layers)
     vocab = model.draft_vocab_size
     if vocab is None:
         vocab = kind.default_draft_vocab(target.vocab_size)
     draft_vocab = 0 if vocab == target.vocab_size else vocab
-    return HeadSpec(model.variant, target, model.head_mlp, aux, draft_vocab)
+    block = {}
+    if kind.blocks:
+        mask = model.mask_token_id
+        block = dict(
+            layers=model.draft_layers,
+            block_size=model.block_size,
+            mask_token_id=mask_token(target_dir, target) if mask is None else mask,
+        )
+    return HeadSpec(model.variant, target, model.head_mlp, aux, draft_vocab, **block)
+
+
+def mask_token(target_dir: Path, target: TargetConfig) -> int:
+    """A dflash head's mask token where `model.mask_token_id` is unset: the tokenizer's mask token,
+    else the first embedding row no token uses, else pad, else EOS (SpecForge's and speculators'
+    order; the embedding row is the target's, frozen, whichever it is)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    if tok.mask_token_id is not None:
+        return tok.mask_token_id
+    if len(tok) < target.vocab_size:
+        return len(tok)
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -28,6 +28,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
+from inference_ref.head_spec import HeadSpec
 from inference_ref.target import frozen_target_tensors
 from mtp_train import checkpoint
 from mtp_train.batching import DraftBatch, MicroBatchPlan, collate, prefetched
@@ -47,7 +48,7 @@ def build_head(
 ) -> MTPHead:
     """A fresh head on the target's frozen embeddings, final norm and lm_head (read by name only).
     A draft vocabulary is the store's most frequent supervised tokens."""
-    spec = head_spec(model, target.config)
+    spec = head_spec(model, target.config, target.dir)
     frozen = {k: v.to(frozen_dtype) for k, v in frozen_target_tensors(target.dir).items()}
     draft_ids = None
     if spec.draft_vocab_size:
@@ -106,7 +107,25 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float):
     return factor
 
 
-def micro_batches(acc: Accelerator, store: Store, tc: TrainConfig, start: int) -> Iterator[DraftBatch]:
+def trained_steps(spec: HeadSpec, tc: TrainConfig) -> tuple[int, float]:
+    """Steps trained per position and the loss weight ratio of consecutive ones: the chained kinds'
+    `unroll_steps` and `unroll_decay`; a block drafter's every mask row, row j weighted
+    exp(−(j − 1)/γ) (DFlash's decay, `train.dflash_gamma`)."""
+    if not spec.kind.blocks:
+        return tc.unroll_steps, tc.unroll_decay
+    gamma = tc.dflash_gamma or dflash_gamma(spec.block_size)
+    return spec.block_size - 1, math.exp(-1 / gamma)
+
+
+def dflash_gamma(block_size: int) -> float:
+    """The DFlash paper's γ for a block size, as SpecForge's and ModelOpt's help give it: 7 for 16,
+    5 for 10, 4 for 8 (and below)."""
+    return 7.0 if block_size >= 16 else 5.0 if block_size >= 10 else 4.0
+
+
+def micro_batches(
+    acc: Accelerator, store: Store, tc: TrainConfig, start: int, steps: int
+) -> Iterator[DraftBatch]:
     """This process's micro-batches from optimizer step `start` on, built on two background
     threads (store reads, alignment, pinned host memory) while the GPU runs the current step.
     Global micro-batch g = (step · accum + micro) · world + rank."""
@@ -114,7 +133,7 @@ def micro_batches(acc: Accelerator, store: Store, tc: TrainConfig, start: int) -
     pin = acc.device.type == "cuda"
 
     def load(g: int) -> DraftBatch:
-        batch = collate([store.sample(i) for i in plan.samples(g)], tc.unroll_steps)
+        batch = collate([store.sample(i) for i in plan.samples(g)], steps)
         return batch.pin_memory() if pin else batch
 
     first = start * tc.grad_accum
@@ -133,6 +152,8 @@ class Training:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     tc: TrainConfig
+    steps: int = 1
+    """Steps trained per position (`trained_steps`)."""
     identity: dict | None = None
     """What the run was made with, recorded in its checkpoints (`run_identity`)."""
 
@@ -143,7 +164,8 @@ class Training:
 
 def prepare_training(acc: Accelerator, head: MTPHead, tc: TrainConfig) -> Training:
     """The objective, AdamW and its warmup-cosine schedule around `head`, prepared by accelerate."""
-    objective = DraftObjective(head, LossWeights(tc.w_p, tc.w_h), tc.loss_chunk_logits, tc.unroll_decay)
+    steps, decay = trained_steps(head.spec, tc)
+    objective = DraftObjective(head, LossWeights(tc.w_p, tc.w_h), tc.loss_chunk_logits, decay)
     optimizer = torch.optim.AdamW(
         head.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
     )
@@ -153,7 +175,7 @@ def prepare_training(acc: Accelerator, head: MTPHead, tc: TrainConfig) -> Traini
     )
     configure_deepspeed(acc, tc)
     objective, optimizer = acc.prepare(objective, optimizer)
-    return Training(acc, objective, optimizer, scheduler, tc)
+    return Training(acc, objective, optimizer, scheduler, tc, steps)
 
 
 def train_step(t: Training, batches: Iterator[DraftBatch]) -> tuple[list, torch.Tensor, float]:
@@ -297,6 +319,7 @@ SETTINGS = (
     "w_h",
     "unroll_steps",
     "unroll_decay",
+    "dflash_gamma",
     "loss_chunk_logits",
     "dead_steps",
 )
@@ -366,7 +389,7 @@ def train(cfg: RunConfig) -> Path:
 def _train(cfg: RunConfig) -> Path:
     tc, out_dir = cfg.train, Path(cfg.train.out_dir)
     t, run, store, start = set_up(cfg)
-    batches = micro_batches(t.acc, store, tc, start)
+    batches = micro_batches(t.acc, store, tc, start, t.steps)
     progress = Progress(t.acc, cfg, total_steps=tc.steps, start_step=start)
     hooks = Hooks(cfg, t, run)
     dead = DeadHeadWatch(tc)

@@ -50,9 +50,7 @@ def inference_path(ev: Evaluator, samples: list[Sample]):
         n = len(s.input_ids)
         cache, hidden = prefill(ev.target, [s.input_ids], n, ev.draft.capture)
         ids = torch.tensor([s.input_ids], device=hidden.device)
-        draft_cache = ev.draft.new_cache(1, n)
-        y = ev.draft.prefill(hidden[:, :-1], ids[:, 1:], draft_cache)
-        draft_logits = ev.draft.logits(y)[0]
+        draft_logits = ev.draft.teacher_forced_logits(hidden[:, :-1], ids[:, 1:])
         target_logits = ev.target.logits(hidden[0, 1:])
         vocab = ev.draft.draft_ids
         if vocab is not None:  # a draft vocabulary: the target's distribution over it, as trained
