@@ -52,6 +52,10 @@ class DFlashDraft(Draft):
 
     chains = False
 
+    def layer_passes(self, k: int) -> int:
+        """One block forward through its layers, whatever k (the refill writes context K/V only)."""
+        return self.spec.layers
+
     def build_layer(self, spec: HeadSpec) -> tuple[nn.Module, nn.Module, type]:
         layers = nn.ModuleList(DFlashDecoderLayer(spec.target) for _ in range(spec.layers))
         return layers, Rotary(spec.target), KVCache

@@ -192,6 +192,11 @@ class Draft(nn.Module):
     chains = True
     """Whether it drafts by chaining steps (draft trees and SSD's extra step need that)."""
 
+    def layer_passes(self, k: int) -> int:
+        """Draft decoder-layer forwards per verify step of a chain of k: the refill's, which
+        proposes d_1, and k − 1 chained steps."""
+        return k
+
     @torch.inference_mode()
     def teacher_forced_logits(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """Logits [S, V] of the first draft token at every position of one text: the entry for

@@ -7,8 +7,11 @@ measured acceptance (a validation report) and the target's measured step costs
 A chain of k drafts emits τ(k) tokens per step for one verify of k + 1 tokens and k draft steps;
 target-only decoding emits one token per one-token step, so
 
-    speed-up(k, batch) = τ(k) · T_batch(1) / (T_batch(k + 1) + k · D_batch)
+    speed-up(k, batch) = τ(k) · T_batch(1) / (T_batch(k + 1) + P(k) · D_batch)
 
+with P(k) the draft's decoder-layer forwards per verify (the report's `draft_layer_passes`): k for a
+chained head; for a block drafter (DFlash) its layers, one forward of the whole block whatever k,
+each layer costed as a one-token one-layer step (small forwards are weight-read and launch bound);
 with τ(k) = 1 + Σ_{j ≤ k} Π_{i ≤ j} a_i from the greedy per-position acceptance a_i (conditional
 on the drafts before it, so one measured chain gives τ for every shorter one). A greedy EAGLE-2 tree
 of N nodes and depth d in the report emits its measured τ for one verify of N + 1 tokens and d
@@ -36,9 +39,10 @@ def tau(rates: list[float], k: int) -> float:
     return total
 
 
-def speedup(rates: list[float], k: int, costs: dict, batch: str) -> float:
+def speedup(rates: list[float], k: int, costs: dict, batch: str, passes: int | None = None) -> float:
+    """`passes`: draft layer forwards per verify (None: k, a chained head's)."""
     verify = costs["verify_ms"][batch]
-    step = verify[str(k + 1)] + k * costs["draft_step_ms"][batch]
+    step = verify[str(k + 1)] + (k if passes is None else passes) * costs["draft_step_ms"][batch]
     return tau(rates, k) * verify["1"] / step
 
 
@@ -60,11 +64,22 @@ def tree_speedup(run: dict, costs: dict, batch: str) -> float:
     return run["mean_accepted_len"] * costs["verify_ms"][batch]["1"] / step
 
 
-def greedy_rates(report: dict) -> list[float]:
-    """The per-position acceptance of the report's longest greedy chain (trees aside)."""
+def longest_chain(report: dict) -> dict:
+    """The report's longest greedy chain (trees aside)."""
     runs = {n: r for n, r in report["speculative"]["greedy"].items() if r.get("draft", "chain") == "chain"}
-    longest = max(runs, key=lambda name: len(runs[name]["accept_rate"]))
-    return runs[longest]["accept_rate"]
+    return runs[max(runs, key=lambda name: len(runs[name]["accept_rate"]))]
+
+
+def greedy_rates(report: dict) -> list[float]:
+    """The per-position acceptance of the report's longest greedy chain."""
+    return longest_chain(report)["accept_rate"]
+
+
+def layer_passes(report: dict, k: int) -> int:
+    """Draft layer forwards per verify of a chain of k: k (a chained head, and reports from before
+    the field), or a block drafter's layers whatever k."""
+    run = longest_chain(report)
+    return run["draft_layer_passes"] if run.get("block_drafter") else k
 
 
 def project(report: dict, costs: dict) -> dict:
@@ -74,7 +89,10 @@ def project(report: dict, costs: dict) -> dict:
     measured = next(iter(costs["verify_ms"].values()))  # the new-token counts, alike for every batch
     chains = [k for k in range(1, len(rates) + 1) if str(k + 1) in measured]
     trees = {n: r for n, r in report["speculative"]["greedy"].items() if r.get("draft") == "tree"}
-    table = {b: {k: speedup(rates, k, costs, b) for k in chains} for b in costs["verify_ms"]}
+    table = {
+        b: {k: speedup(rates, k, costs, b, layer_passes(report, k)) for k in chains}
+        for b in costs["verify_ms"]
+    }
     best = {b: max(row, key=row.get) for b, row in table.items()}
     drafts = {
         b: {

@@ -10,6 +10,7 @@ tests/test_vllm.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,122 @@ def test_a_block_drafter_refuses_trees_and_ssd(tmp_path):
     for shape, ssd in ((TreeShape(2, 2, 4), None), (Chain(2), SSD())):
         with pytest.raises(ValueError, match="drafts a block per verify"):
             speculative_generate(target, draft, [[1, 2, 3]], 4, [], shape, ssd=ssd)
+
+
+# ---------------------------------------------------------------- the pipeline, on a tiny random target
+
+REPO = Path(__file__).resolve().parent.parent
+AUX = [1, 3]  # on a 4-layer target: the references' spread needs more layers than 2 draft layers here
+
+
+def pipeline_overrides(target: Path, run: Path, *extra: str) -> list[str]:
+    return [
+        "model=tiny_random",
+        f"model.target={target}",
+        "model.dtype=float32",
+        "model.variant=dflash",
+        f"model.aux_layers={AUX}",
+        f"model.draft_layers={LAYERS}",
+        f"model.block_size={BLOCK}",
+        "model.draft_vocab_size=2048",
+        "precompute.aux=true",
+        f"run_dir={run}",
+        f"data.train_files=[{REPO / 'tests' / 'data' / 'gsm8k_64.jsonl'}]",
+        "data.max_samples=24",
+        "train.steps=8",
+        "train.lr=3e-3",
+        "train.warmup_steps=2",
+        "train.tokens_per_micro_batch=512",
+        "train.save_every=0",
+        "logging.log_every=1",
+        f"validate.eval_files=[{REPO / 'data' / 'mt_bench.jsonl'}]",
+        "validate.num_prompts=2",
+        "validate.max_new_tokens=12",
+        f"validate.chain_lengths=[{BLOCK - 1}]",
+        "validate.teacher_forced_samples=2",
+        "export.formats=[native,vllm]",
+        "export.dtype=float32",
+        *extra,
+    ]
+
+
+def config(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+        return compose("config", overrides=overrides)
+
+
+@pytest.fixture(scope="module")
+def pipeline(smollm2, tmp_path_factory):
+    """A 4-layer random Llama: precompute with DFlash's layers, train, validate, export."""
+    from mtp_train.export import export
+    from mtp_train.precompute import run_precompute
+    from mtp_train.target_files import write_random_target
+    from mtp_train.train import train
+    from mtp_train.validate import run_validation
+
+    target = write_random_target(
+        tmp_path_factory.mktemp("target"), smollm2, seed=1, num_hidden_layers=4, tie_word_embeddings=False
+    )
+    run = tmp_path_factory.mktemp("dflash_run")
+    cfg = config(pipeline_overrides(target, run))
+    store = run_precompute(cfg)
+    train(cfg)
+    return {
+        "cfg": cfg,
+        "store": store,
+        "report": run_validation(cfg),
+        "exported": export(cfg),
+        "target": target,
+    }
+
+
+def test_dflash_trains_validates_and_serves_as_trained(pipeline):
+    from tiny import assert_serves_as_trained
+
+    report = pipeline["report"]
+    assert_serves_as_trained(report, k=BLOCK - 1)
+    assert report["speculative"]["greedy"][f"k={BLOCK - 1}"]["counts"]["tried"][0] > 0
+    native = json.loads((pipeline["exported"]["native"] / "config.json").read_text())
+    assert (native["variant"], native["layers"], native["block_size"], native["aux_layers"]) == (
+        "dflash",
+        LAYERS,
+        BLOCK,
+        AUX,
+    )
+    assert native["mask_token_id"] == 2  # SmolLM2's tokenizer: no mask token, no unused row, pad = EOS
+
+
+def test_the_vllm_layout_is_dflash_draft_model(pipeline):
+    """The names, shapes and config vLLM's DFlashDraftModel reads (the loader is cited in layouts.py;
+    tests/test_vllm.py has vLLM serve it with our counts)."""
+    from safetensors.torch import load_file
+
+    out = pipeline["exported"]["vllm"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == {"mask_token_id": 2, "target_layer_ids": [k - 1 for k in AUX]}
+    assert (cfg["num_hidden_layers"], cfg["block_size"], cfg["draft_vocab_size"]) == (LAYERS, BLOCK, 2048)
+    assert "causal" not in cfg["dflash_config"] and "layer_types" not in cfg  # non-causal, as trained
+    names = set(load_file(str(out / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t"} <= names
+    assert {f"layers.{i}.self_attn.k_norm.weight" for i in range(LAYERS)} <= names
+    assert not any(n.startswith("embed_tokens") or n.startswith("layer.") for n in names)
+
+
+def test_dflash_refusals_name_the_fix(pipeline, tmp_path):
+    from mtp_train.export import export
+    from mtp_train.serving.layouts import LayoutUnsupported
+    from mtp_train.train import train
+
+    target = pipeline["target"]
+    store = f"precompute.store_dir={pipeline['store']}"
+    with pytest.raises(ValueError, match=r"precompute.aux=true model.aux_layers=\[2\]"):
+        train(config(pipeline_overrides(target, tmp_path, store, "model.aux_layers=[2]")))
+    with pytest.raises(LayoutUnsupported, match="drafts a block"):
+        export(config(pipeline_overrides(target, pipeline["cfg"].run_dir, "export.formats=[eagle3]")))
+    with pytest.raises(ValueError, match="a block of ≥ 2 tokens"):
+        HeadSpec("dflash", small_target().cfg, aux_layers=(1,), layers=1, block_size=1)
+    with pytest.raises(ValueError, match="are dflash's"):
+        HeadSpec("eagle3", small_target().cfg, aux_layers=(1,), layers=2)

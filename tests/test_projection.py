@@ -62,3 +62,17 @@ def test_trees_are_costed_by_their_verify_tokens_and_depth():
     # the chains measured (k = 1: 1.5 × 10 / 11.5; k = 3: 1.875 × 10 / 14.5) stay under 1.31
     assert figures["best"]["4"].startswith("tree n=8")
     assert figures["best_k"]["4"].startswith("k=")
+
+
+def test_a_block_drafter_pays_its_layers_once_per_verify():
+    """A DFlash head of 2 layers drafts any k in one forward of 2 layers: k = 4's step is a verify of
+    5 tokens (14 ms) + 2 layer passes (1 ms), not + 4 draft steps (2 ms)."""
+    rates = [0.9, 0.8, 0.2, 0.1]
+    block = {"accept_rate": rates, "draft_layer_passes": 2, "block_drafter": True}
+    figures = project({"speculative": {"greedy": {"k=4": block}}}, COSTS)
+    assert figures["speedup"]["4"]["k=4"] == pytest.approx(tau(rates, 4) * 10 / 15, abs=1e-3)
+    assert figures["speedup"]["4"]["k=1"] == pytest.approx(tau(rates, 1) * 10 / 12, abs=1e-3)
+    chained = {"accept_rate": rates, "draft_layer_passes": 4, "block_drafter": False}
+    assert project({"speculative": {"greedy": {"k=4": chained}}}, COSTS)["speedup"]["4"]["k=1"] == (
+        pytest.approx(tau(rates, 1) * 10 / 11.5, abs=1e-3)
+    )

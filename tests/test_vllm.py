@@ -50,8 +50,21 @@ pytestmark = pytest.mark.skipif(
 )
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("eagle3", "eagle3.1", "rmsnorm-restored", "eagle1")
 NUM_PROMPTS, MAX_NEW, K, DRAFT_VOCAB = 3, 24, 3, 2048
+KINDS = ("eagle3", "eagle3.1", "dflash", "rmsnorm-restored", "eagle1")
+KIND_SETTINGS = {
+    # DFlash on the eagle3 store's layers (the references' layers would need a store of their own),
+    # two draft layers, a block of the anchor and K masks: its k = K drafts are the block's rows.
+    # It plateaus for ~50 steps (its masks reach the context only through attention, which must
+    # first learn where to look) and then fits these answers as the others do in 30.
+    "dflash": (
+        "model.aux_layers=[2,15,27]",
+        "model.draft_layers=2",
+        f"model.block_size={K + 1}",
+        "train.steps=80",
+        "train.lr=5e-3",
+    ),
+}
 WRONG = "restored-fc-halves-swapped"
 
 
@@ -127,7 +140,7 @@ def served(smollm2, tmp_path_factory):
     run_precompute(pipeline_config(base, "eagle3", conversations))
     heads, ours, runs = {}, {}, [Run("target")]
     for kind in KINDS:
-        heads[kind] = Path(train(pipeline_config(base, kind, conversations)))
+        heads[kind] = Path(train(pipeline_config(base, kind, conversations, *KIND_SETTINGS.get(kind, ()))))
         out = speculative_generate(target, load_draft(heads[kind], target), ids, MAX_NEW, eos, Chain(K))
         ours[kind] = {"tried": out.stats.tried, "accepted": out.stats.accepted, "tokens": out.tokens}
         exported = export_vllm(heads[kind], smollm2, base / "export" / kind)
@@ -174,11 +187,17 @@ def test_vllm_loads_exactly_the_exported_tensors(served, kind):
     is the export's tensor, and the only ones not in the file are the target's own embedding."""
     run = served["runs"][kind]
     draft = served["engine"][kind]["draft"]
-    stock = {"eagle3": "Eagle3LlamaForCausalLM", "eagle3.1": "Eagle3LlamaForCausalLM"}
+    stock = {
+        "eagle3": "Eagle3LlamaForCausalLM",
+        "eagle3.1": "Eagle3LlamaForCausalLM",
+        "dflash": "DFlashQwen3ForCausalLM",
+    }
     assert draft["class"] == {**stock, **ARCHITECTURES}[kind]
     assert draft["shared"] == ["model.embed_tokens.weight"]  # lm_head: the draft vocabulary's own rows
     held = load_file(str(Path(run.dump_draft) / "draft.safetensors"))
     expected = expected_draft_params(run.head)
+    if kind == "dflash":  # vLLM's slot for a separately trained mask embedding: unused (zeros)
+        assert not held.pop("model.mask_embedding").any()
     assert sorted(held) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(held[name], tensor.to(held[name].dtype)), name

@@ -24,6 +24,7 @@ from mtp_train.layer_names import (
     DEEPSEEK_NOAUX,
     DEEPSEEK_RENAME,
     DEEPSEEK_STACKED_EXPERTS,
+    DFLASH_LAYER,
     EAGLE3_BLOCK,
     LLAMA_BLOCK,
     Symbolic,
@@ -126,6 +127,11 @@ def eagle3_dims(spec: HeadSpec) -> dict[str, int]:
 
 
 def _require_eagle3(spec: HeadSpec, layout: str) -> None:
+    if spec.kind.blocks:
+        raise LayoutUnsupported(
+            f"layout {layout}: holds EAGLE-3 heads, which chain one layer's steps; a {spec.variant} head "
+            "drafts a block with its own layers: export.formats=[vllm] (vLLM's DFlashDraftModel)"
+        )
     if not spec.aux_layers:
         raise LayoutUnsupported(
             f"layout {layout}: holds EAGLE-3 heads (fc over the target's auxiliary layers, a 2H-input "
@@ -307,6 +313,8 @@ def vllm_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: d
     block the class checks: format, version, variant, the target)."""
     from mtp_train.serving import vllm_plugin  # constants only: imports no vLLM
 
+    if spec.kind.blocks:  # dflash: stock vLLM's DFlashDraftModel
+        return dflash_export(tensors, spec)
     if spec.kind.fuses_aux:  # eagle3, eagle3.1: stock vLLM's Eagle3LlamaForCausalLM
         return eagle3_export(tensors, spec, identity)
     if spec.variant not in vllm_plugin.ARCHITECTURES:
@@ -348,6 +356,67 @@ def vllm_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: d
         "torch_dtype": _dtype_name(tensors["fc.weight"].dtype),
     }
     return EngineExport(out, config, vllm_table(spec))
+
+
+# ---------------------------------------------------------------------------------------------
+# DFlash, as stock vLLM loads it: `DFlashDraftModel` → vllm/model_executor/models/qwen3_dflash.py
+# `DFlashQwen3ForCausalLM` (vLLM 0.32.0), the config SpecForge (configs/qwen3-8b-dflash.json @ a6b6b02)
+# and ModelOpt's exporter write. Its loader prefixes `model.` to every name but lm_head, maps q/k/v
+# and gate/up onto its fused projections, d2t → draft_id_to_target_id (t2d dropped), and shares the
+# target's embeddings and lm_head where the checkpoint has none (`process_eagle_weight`,
+# llm_base_proposer `_maybe_share_*`). `dflash_config.target_layer_ids` are layer outputs: vLLM
+# captures layer id + 1 (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+# `get_eagle3_aux_layers_from_config`), the entering-state numbering used here. The draft layers are
+# Qwen3's whatever the target (the class is Qwen3's), with the target's rope; no `layer_types`, no
+# `dflash_config.causal`: every layer attends without a causal mask inside the block, as trained.
+DFLASH_OWN: Symbolic = {"fc.weight": ("H", "nH"), "hidden_norm.weight": ("H",), "norm.weight": ("H",)}
+
+
+def dflash_table(spec: HeadSpec) -> Table:
+    symbolic = {
+        **DFLASH_OWN,
+        **{f"layers.{i}.{n}": s for i in range(spec.layers) for n, s in DFLASH_LAYER.items()},
+        **(VLLM_VOCAB if spec.draft_vocab_size else {}),
+    }
+    dims = {**eagle3_dims(spec), "D": spec.target.head_dim}
+    return resolve(symbolic, dims)
+
+
+def dflash_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec) -> EngineExport:
+    t = spec.target
+    out = {n: tensors[n] for n in DFLASH_OWN}
+    out.update({f"layers.{n[len('layer.') :]}": w for n, w in tensors.items() if n.startswith("layer.")})
+    if spec.draft_vocab_size:
+        out.update({"lm_head.weight": tensors["lm_head.weight"], "d2t": tensors["d2t"].long()})
+    hf = t.to_hf()
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": t.hidden_size,
+        "intermediate_size": t.intermediate_size,
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": t.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": t.rms_norm_eps,
+        "max_position_embeddings": t.max_position_embeddings,
+        "rope_theta": t.rope_theta,
+        "rope_scaling": hf.get("rope_scaling"),
+        "vocab_size": t.vocab_size,
+        "draft_vocab_size": spec.vocab,
+        "target_hidden_size": t.hidden_size,
+        "num_hidden_layers": spec.layers,
+        "num_target_layers": t.num_hidden_layers,
+        "block_size": spec.block_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "dflash_config": {
+            "mask_token_id": spec.mask_token_id,
+            "target_layer_ids": [k - 1 for k in spec.aux_layers],
+        },
+        "torch_dtype": _dtype_name(tensors["fc.weight"].dtype),
+    }
+    return EngineExport(out, config, dflash_table(spec))
 
 
 def _require_llama(layer_config: dict, layout: str) -> None:

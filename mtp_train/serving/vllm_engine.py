@@ -109,6 +109,8 @@ def head_method(head_dir: str | Path) -> str:
         return METHODS[block["variant"]]
     if arch in ("LlamaForCausalLMEagle3", "Eagle3Speculator"):
         return "eagle3"
+    if arch == "DFlashDraftModel":
+        return "dflash"
     if arch == "LlamaForCausalLMEagle":
         raise CannotServe(
             f"{head_dir}: the `eagle1` layout is SGLang's; vLLM's EagleLlamaForCausalLM has no fc bias "
@@ -136,7 +138,8 @@ def check_head_fits_target(head_dir: str | Path, target_dir: str | Path) -> None
                 f"head {head_dir} has {key} {value}, target {target_dir} has {target[key]}: "
                 "it was exported for another target"
             )
-    aux = config.get("eagle_aux_hidden_state_layer_ids") or []
+    dflash = (config.get("dflash_config") or {}).get("target_layer_ids") or []
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or [k + 1 for k in dflash]
     if any(not 0 <= k <= target["num_hidden_layers"] for k in aux):
         raise CannotServe(
             f"head {head_dir} reads the states of layers {aux}; target {target_dir} has "

@@ -36,7 +36,13 @@ ARCHITECTURES = {
 }
 """Head variant → the architecture its `vllm` export names (config.json `architectures`)."""
 
-METHODS = {"rmsnorm-restored": "eagle3", "eagle1": "eagle", "eagle3": "eagle3", "eagle3.1": "eagle3"}
+METHODS = {
+    "rmsnorm-restored": "eagle3",
+    "eagle1": "eagle",
+    "eagle3": "eagle3",
+    "eagle3.1": "eagle3",
+    "dflash": "dflash",
+}
 """Head variant → vLLM's `speculative_config.method` that serves its `vllm` export."""
 
 STACKED = (

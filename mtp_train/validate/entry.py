@@ -9,6 +9,7 @@ from pathlib import Path
 import hydra
 import torch
 
+from inference_ref.speculative import Chain
 from mtp_train.cli import RECIPES, one_line_errors
 from mtp_train.config import ConfigError, RunConfig, checked
 from mtp_train.data import load_prompts
@@ -69,6 +70,9 @@ def run_validation(cfg: RunConfig) -> dict:
                 ev, prompts, shape, temperature, vc, vc.seed, label, ssd
             )
             figures = speculative_report(stats, timing, shape)
+            if isinstance(shape, Chain):  # what a step's drafting costs, for `mtp_train.projection`
+                figures["draft_layer_passes"] = ev.draft.layer_passes(shape.k)
+                figures["block_drafter"] = not ev.draft.chains
             if ssd and ssd.saguaro_factor != 1.0:
                 figures["saguaro"] = {"factor": ssd.saguaro_factor, "fan_out": ssd.saguaro_fan_out}
             if temperature == 0:
