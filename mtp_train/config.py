@@ -191,6 +191,11 @@ class PrecomputeConfig:
 class TrainConfig:
     store_dir: str = "${precompute.store_dir}"
     """Store written by precompute (the same directory unless overridden)."""
+    states: str = "auto"
+    """Where the target's states come from: `store` (precomputed, `train.store_dir`), `online` (the
+    target runs in the training job, `model.tp_size` processes per copy, for data whose store
+    would not fit the disk) or `auto` (the store where there is one; else online where its
+    estimate exceeds the free disk; else a request to precompute). `mtp_train.states`."""
     out_dir: str = "${run_dir}/train"
     """Checkpoints, exported heads and logs."""
     steps: int = 1000
@@ -244,6 +249,9 @@ class TrainConfig:
     """Resume from the latest checkpoint in `out_dir` if there is one."""
 
     def __post_init__(self):
+        require(
+            self.states in ("store", "online", "auto"), "train.states", self.states, "store, online or auto"
+        )
         at_least(
             "train",
             self,

@@ -1,4 +1,4 @@
-"""Train a draft head on a precomputed store.
+"""Train a draft head on a precomputed store, or on states the target computes in the job (`train.states`).
 
     python -m mtp_train.train model=smollm2_135m                       # one process (CPU or GPU)
     accelerate launch --config_file launch/accelerate/zero2_8gpu.yaml -m mtp_train.train model=llama3_1_8b
@@ -15,7 +15,6 @@ from mtp_train.cli import answer_help_first
 
 answer_help_first(__name__, __file__)  # before torch & co.: they take seconds to import
 
-import hashlib
 import json
 import math
 import time
@@ -39,50 +38,32 @@ from mtp_train.locks import exclusive
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.progress import Progress
 from mtp_train.run import Run, Target, head_spec, resolve_run
+from mtp_train.states import OnlineStates, StoreStates
+from mtp_train.states import choose as choose_states
 from mtp_train.store import Store
+
+TrainingStates = StoreStates | OnlineStates
 from mtp_train.validate.during_training import DuringTraining
 
 
 def build_head(
-    model: ModelConfig, target: Target, frozen_dtype: torch.dtype, store: Store | None = None
+    model: ModelConfig, target: Target, frozen_dtype: torch.dtype, states: TrainingStates | None = None
 ) -> MTPHead:
     """A fresh head on the target's frozen embeddings, final norm and lm_head (read by name only).
-    A draft vocabulary is the store's most frequent supervised tokens."""
+    A draft vocabulary is the training data's most frequent supervised tokens (`states`)."""
     spec = head_spec(model, target.config, target.dir)
     frozen = {k: v.to(frozen_dtype) for k, v in frozen_target_tensors(target.dir).items()}
     draft_ids = None
     if spec.draft_vocab_size:
-        if store is None:
-            raise ValueError("a head with a draft vocabulary needs the store to count tokens in")
-        draft_ids = store.most_frequent_tokens(spec.draft_vocab_size, spec.target.vocab_size)
+        if states is None:
+            raise ValueError("a head with a draft vocabulary needs the training data to count tokens in")
+        draft_ids = states.most_frequent_tokens(spec.draft_vocab_size, spec.target.vocab_size)
     head = build(spec, frozen, draft_ids)
     if model.init_from_target_mtp:
         from mtp_train.heads.deepseek_v2 import shipped_mtp_state
 
         head.load_state_dict(shipped_mtp_state(target.dir, spec.target, spec.mlp), strict=True)
     return head
-
-
-def check_store(store: Store, head: MTPHead, identity: dict) -> None:
-    store.check_target(identity)
-    store.verify()  # every shard's sha256 (cached once verified) and the manifest's counts
-    if len(store) == 0:
-        raise ValueError(
-            f"{store.path}: the store holds no sample (no supervised assistant tokens in the data?)"
-        )
-    needed, held = list(head.spec.aux_layers), store.aux_layers
-    if needed and needed != held:
-        raise ValueError(
-            f"{store.path}: an {head.spec.variant} head fuses the target's layers {needed}, the store holds "
-            f"{held or 'none'}: precompute a store with precompute.aux=true model.aux_layers={needed} "
-            "(another precompute.store_dir)"
-        )
-    hidden = store.manifest["hidden_size"]
-    if hidden != head.spec.target.hidden_size:
-        raise ValueError(
-            f"{store.path}: hidden size {hidden} does not match the head's target "
-            f"({head.spec.target.hidden_size}); precompute the store with this target"
-        )
 
 
 def configure_deepspeed(acc: Accelerator, tc) -> None:
@@ -124,20 +105,25 @@ def dflash_gamma(block_size: int) -> float:
 
 
 def micro_batches(
-    acc: Accelerator, store: Store, tc: TrainConfig, start: int, steps: int
+    t: Training, states: TrainingStates, start: int, device: torch.device
 ) -> Iterator[DraftBatch]:
-    """This process's micro-batches from optimizer step `start` on, built on two background
-    threads (store reads, alignment, pinned host memory) while the GPU runs the current step.
-    Global micro-batch g = (step · accum + micro) · world + rank."""
-    plan = MicroBatchPlan(store.lengths, tc.tokens_per_micro_batch, tc.seed)
-    pin = acc.device.type == "cuda"
+    """This data-parallel rank's micro-batches from optimizer step `start` on. Global micro-batch
+    g = (step · accum + micro) · dp_size + dp_rank: the ranks of a tensor-parallel group (online
+    states) take the same ones, which they forward together. From a store they are built on two
+    background threads (reads, alignment, pinned host memory) while the GPU runs the current step;
+    online in this thread, in step with the group's collectives."""
+    tc = t.tc
+    plan = MicroBatchPlan(states.lengths, tc.tokens_per_micro_batch, tc.seed)
+    pin = device.type == "cuda" and not states.on_device
 
     def load(g: int) -> DraftBatch:
-        batch = collate([store.sample(i) for i in plan.samples(g)], steps)
+        batch = collate(states.samples(plan.samples(g)), t.steps)
         return batch.pin_memory() if pin else batch
 
     first = start * tc.grad_accum
-    keys = (m * acc.num_processes + acc.process_index for m in range(first, tc.steps * tc.grad_accum))
+    keys = (m * t.dp_size + t.dp_rank for m in range(first, tc.steps * tc.grad_accum))
+    if states.kind == "online":
+        return map(load, keys)
     # two builders: one did not keep up with a 65 ms step on one host (docs/benchmarks.md)
     return prefetched(load, keys, depth=3, workers=2)
 
@@ -154,6 +140,9 @@ class Training:
     tc: TrainConfig
     steps: int = 1
     """Steps trained per position (`trained_steps`)."""
+    dp_rank: int = 0
+    dp_size: int = 1
+    """This process's data-parallel place: every process, or with online states its tensor-parallel group."""
     identity: dict | None = None
     """What the run was made with, recorded in its checkpoints (`run_identity`)."""
 
@@ -200,14 +189,14 @@ def train_step(t: Training, batches: Iterator[DraftBatch]) -> tuple[list, torch.
     return stats, grad_norm, waited
 
 
-def check_same_buffers(built: dict[str, torch.Tensor], head: MTPHead, ckpt: Path, store: Store) -> None:
-    """A head's persistent buffers (an eagle3 head's draft vocabulary, counted from the store) as
+def check_same_buffers(built: dict[str, torch.Tensor], head: MTPHead, ckpt: Path, data: str) -> None:
+    """A head's persistent buffers (an eagle3 head's draft vocabulary, counted from the data) as
     built now must be those the checkpoint was trained with: its frozen lm_head rows follow them."""
     for name, tensor in built.items():
         if not torch.equal(tensor, head.get_buffer(name).to(tensor.device)):
             raise ValueError(
-                f"checkpoint {ckpt} was trained with another {name} than store {store.path} gives "
-                "(another store?): resume with the store it was trained on, or another train.out_dir"
+                f"checkpoint {ckpt} was trained with another {name} than {data} gives "
+                "(another store?): resume with the data it was trained on, or another train.out_dir"
             )
 
 
@@ -242,7 +231,7 @@ def setting_notes(cfg: RunConfig) -> list[str]:
     if cfg.model.tp_size > 1:
         notes.append(
             f"note: model.tp_size={cfg.model.tp_size} is for the stages that run the target (regenerate, "
-            "precompute, validate); the head trains data-parallel over all processes, unsharded"
+            "precompute, validate, training with train.states=online); the head trains data-parallel, unsharded"
         )
     if cfg.train.unroll_steps > UNROLL_NOTE:
         notes.append(
@@ -277,10 +266,10 @@ class DeadHeadWatch:
             )
 
 
-def set_up(cfg: RunConfig) -> tuple[Training, Run, Store, int]:
-    """Resolve the run, open and check the store, build the head and its training state, and
-    resume from the latest checkpoint. Returns the training state, the run, the store and the
-    step to start from."""
+def set_up(cfg: RunConfig) -> tuple[Training, Run, TrainingStates, int]:
+    """Resolve the run, choose and check where the states come from (`train.states`), build the
+    head and its training state, and resume from the latest checkpoint. Returns the training
+    state, the run, the states and the step to start from."""
     checked(cfg)
     tc = cfg.train
     for line in setting_notes(cfg):
@@ -288,23 +277,52 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, Store, int]:
     # cpu=True without CUDA: otherwise accelerate ignores torchrun's ranks on a CPU-only host.
     acc = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available())
     torch.manual_seed(tc.seed)
-    run = resolve_run(cfg.model, device=acc.device)
-    store = Store(tc.store_dir)
-    head = build_head(cfg.model, run.target, run.dtype, store)
-    check_store(store, head, run.target.identity)
+    target = Target.resolve(cfg.model.target)
+    mode, data = choose_states(cfg, head_spec(cfg.model, target.config, target.dir), target.dir, acc.print)
+    # Online, the target is sharded over model.tp_size processes and the groups split the data.
+    sharding = {"sharded_as": "mtp_train.train", "data_parallel": True} if mode == "online" else {}
+    run = resolve_run(cfg.model, device=acc.device, **sharding)
+    states = open_states(cfg, run, mode, data)
+    head = build_head(cfg.model, run.target, run.dtype, states)
+    states.check(head.spec, run.target.identity)
     t = prepare_training(acc, head, tc)
+    if run.ranks is not None:
+        t.dp_rank, t.dp_size = run.ranks.dp_rank, run.ranks.dp_size
+    else:
+        t.dp_rank, t.dp_size = acc.process_index, acc.num_processes
     start = 0
-    identity = run_identity(run, store, tc, acc.num_processes, head)
+    identity = run_identity(run, states, tc, t.dp_size, head)
     last = checkpoint.latest(Path(tc.out_dir), identity, acc.print) if tc.resume else None
     if last is not None:
         built = {n: b.clone() for n, b in head.named_buffers() if n in head.state_dict()}
         start = checkpoint.load(acc, last, t.objective, t.optimizer, t.scheduler)
-        check_same_buffers(built, head, last, store)
+        check_same_buffers(built, head, last, describe_data(states, tc))
         acc.print(f"resumed from {last} at step {start}")
         for line in apply_changed_settings(t, checkpoint.saved_settings(last), start):
             acc.print(line)
     t.identity = identity
-    return t, run, store, start
+    return t, run, states, start
+
+
+def open_states(cfg: RunConfig, run: Run, mode: str, data) -> TrainingStates:
+    """The chosen source: the store, or the target loaded for online states (the head's layers captured)."""
+    if mode == "store":
+        return StoreStates(Store(cfg.train.store_dir))
+    from inference_ref.target import load_target
+    from mtp_train.precompute import data_hash
+
+    spec = head_spec(cfg.model, run.target.config, run.target.dir)
+    model = load_target(
+        run.target.dir, run.device, run.dtype, cfg.precompute.compile, run.quantization, run.tp_mesh
+    )
+    if run.ranks is not None and run.ranks.main:
+        r = run.ranks
+        print(f"online: the target on {r.tp_size} process(es) per copy, {r.dp_size} data-parallel copies")
+    return OnlineStates(data, model, spec.aux_layers, cfg.precompute.hidden_dtype, data_hash(data))
+
+
+def describe_data(states: TrainingStates, tc: TrainConfig) -> str:
+    return f"store {tc.store_dir}" if states.kind == "store" else "the data (online states)"
 
 
 SETTINGS = (
@@ -365,11 +383,12 @@ def apply_changed_settings(t: Training, saved: dict, step: int) -> list[str]:
     return lines
 
 
-def run_identity(run: Run, store: Store, tc: TrainConfig, world: int, head: MTPHead) -> dict:
-    """What an exact resume needs unchanged, recorded in every checkpoint: the target, the store,
-    the micro-batch plan (budget, seed, micro-batches per optimizer step across processes) and the
-    head (its kind and shape: another one cannot load the checkpoint's weights)."""
-    shards = hashlib.sha256("".join(s["sha256"] for s in store.manifest["shards"]).encode()).hexdigest()[:16]
+def run_identity(run: Run, states: TrainingStates, tc: TrainConfig, world: int, head: MTPHead) -> dict:
+    """What an exact resume needs unchanged, recorded in every checkpoint: the target, the data
+    (the store's shards, or online the tokenized data), the micro-batch plan (budget, seed,
+    micro-batches per optimizer step across data-parallel ranks) and the head (its kind and shape:
+    another one cannot load the checkpoint's weights)."""
+    shards = states.identity
     target = {k: run.target.identity[k] for k in ("config_hash", "weights_hash", "tokenizer_hash")}
     plan = {
         "tokens_per_micro_batch": tc.tokens_per_micro_batch,
@@ -388,8 +407,8 @@ def train(cfg: RunConfig) -> Path:
 
 def _train(cfg: RunConfig) -> Path:
     tc, out_dir = cfg.train, Path(cfg.train.out_dir)
-    t, run, store, start = set_up(cfg)
-    batches = micro_batches(t.acc, store, tc, start, t.steps)
+    t, run, states, start = set_up(cfg)
+    batches = micro_batches(t, states, start, t.acc.device)
     progress = Progress(t.acc, cfg, total_steps=tc.steps, start_step=start)
     hooks = Hooks(cfg, t, run)
     dead = DeadHeadWatch(tc)
@@ -401,6 +420,8 @@ def _train(cfg: RunConfig) -> Path:
     head_dir = export_head(t.acc, t.objective, out_dir / "head", run.target.identity, cfg, tc.steps)
     if t.acc.is_main_process and start < tc.steps:  # a rerun of a finished run keeps its figures
         write_summary(out_dir / "train_summary.json", tc.steps, progress.summary())
+    if states.kind == "online":
+        t.acc.print(states.cost())
     progress.close()
     return head_dir
 
