@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_speculative import (
     chi_square_pvalue,
+    count_along_greedy_path,
     exact_joint,
     export_native,
     frozen_of,
@@ -160,14 +161,7 @@ def test_loop_acceptance_equals_teacher_forced_blocks(fitted, tmp_path):
         seq = torch.tensor(prompt + more)
         n = len(seq) - k - 1
         _, logits = training_outputs(head, widened(target, seq[:n]), seq[1 : n + 1][None], [n], steps=k)
-        hits = logits.argmax(-1) == torch.stack([seq[2 + j : n + 2 + j] for j in range(k)])
-        emitted, last = 1, len(prompt)
-        while emitted < max_new:
-            run = int(hits[:, last - 1].long().cumprod(0).sum())
-            for j in range(min(run + 1, k)):
-                tried[j] += 1
-                accepted[j] += j < run
-            emitted, last = emitted + run + 1, last + run + 1
+        count_along_greedy_path(logits, seq, len(prompt), max_new, tried, accepted)
     assert (stats.tried, stats.accepted) == (tried, accepted)
 
 

@@ -298,6 +298,21 @@ def test_greedy_equals_target_alone_on_smollm2(smollm2, tmp_path):
         assert speculative_generate(target, draft, prompts, 24, eos, Chain(k)).tokens == expected, k
 
 
+def count_along_greedy_path(logits, seq, prompt_len: int, max_new: int, tried: list, accepted: list) -> None:
+    """Add to tried/accepted what a greedy loop would count on `seq` (the prompt and the target's
+    greedy continuation), from teacher-forced draft logits [k, n, V]: draft j at base i proposes
+    t_{i+2+j} and is accepted if it is the target's token; a step accepts the leading run."""
+    k, n = logits.shape[:2]
+    hits = logits.argmax(-1) == torch.stack([seq[2 + j : n + 2 + j] for j in range(k)])
+    emitted, last = 1, prompt_len  # the prefill's token t_n; base i = last - 1
+    while emitted < max_new:
+        run = int(hits[:, last - 1].long().cumprod(0).sum())
+        for j in range(min(run + 1, k)):
+            tried[j] += 1
+            accepted[j] += j < run
+        emitted, last = emitted + run + 1, last + run + 1
+
+
 def test_loop_acceptance_equals_teacher_forced_chain(tmp_path):
     """DESIGN: evaluating the chain on the target's greedy continuation, teacher-forcing the drafted
     tokens along the accepted path, gives the loop's greedy acceptance. Here the chain is evaluated by
@@ -315,15 +330,7 @@ def test_loop_acceptance_equals_teacher_forced_chain(tmp_path):
         hidden = target.forward_cached(seq[None, :n], target.new_cache(1, n))[0]
         tokens = torch.stack([seq[1 + j : n + 1 + j] for j in range(k)])
         _, logits = training_outputs(head, hidden.clone(), tokens, [n], steps=k)
-        # Draft j at base i proposes t_{i+2+j}; it is accepted if it is the target's greedy token.
-        hits = logits.argmax(-1) == torch.stack([seq[2 + j : n + 2 + j] for j in range(k)])
-        emitted, last = 1, len(prompt)  # the prefill's token t_n; base i = last - 1
-        while emitted < max_new:
-            run = int(hits[:, last - 1].long().cumprod(0).sum())
-            for j in range(min(run + 1, k)):
-                tried[j] += 1
-                accepted[j] += j < run
-            emitted, last = emitted + run + 1, last + run + 1
+        count_along_greedy_path(logits, seq, len(prompt), max_new, tried, accepted)
     assert (stats.tried, stats.accepted) == (tried, accepted)
     assert sum(accepted) > 20  # the draft is good enough for the comparison to mean something
     assert stats.emitted == stats.steps + sum(accepted)

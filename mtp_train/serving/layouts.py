@@ -208,6 +208,22 @@ def eagle3_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity:
 # @ 052316aeab2a1b2a9076518f20fe776052b947c9 requires speculators_config.proposal_methods[0].speculative_tokens
 # and speculators_config.verifier.name_or_path). The layer is `layers.0`; the embeddings are written
 # too: speculators 0.9.0 leaves them uninitialised when absent.
+def draft_layer_fields(t) -> dict:
+    """A draft layer's shape as an engine's config reads it: the target's dimensions and rope."""
+    return {
+        "hidden_size": t.hidden_size,
+        "intermediate_size": t.intermediate_size,
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": t.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": t.rms_norm_eps,
+        "max_position_embeddings": t.max_position_embeddings,
+        "rope_theta": t.rope_theta,
+        "rope_scaling": t.to_hf().get("rope_scaling"),
+    }
+
+
 SPECULATORS_EXTRA: Symbolic = {"embed_tokens.weight": ("V", "H")}
 SPECULATIVE_TOKENS = 3  # the proposal's default chain length, which the serving command can override
 
@@ -219,17 +235,8 @@ def speculators_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, iden
     layer = {
         "model_type": "llama",
         "vocab_size": t.vocab_size,
-        "hidden_size": t.hidden_size,
-        "intermediate_size": t.intermediate_size,
+        **draft_layer_fields(t),
         "num_hidden_layers": 1,
-        "num_attention_heads": t.num_attention_heads,
-        "num_key_value_heads": t.num_key_value_heads,
-        "head_dim": t.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": t.rms_norm_eps,
-        "max_position_embeddings": t.max_position_embeddings,
-        "rope_theta": t.rope_theta,
-        "rope_scaling": hf["rope_scaling"],
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
@@ -388,20 +395,10 @@ def dflash_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec) -> Engine
     out.update({f"layers.{n[len('layer.') :]}": w for n, w in tensors.items() if n.startswith("layer.")})
     if spec.draft_vocab_size:
         out.update({"lm_head.weight": tensors["lm_head.weight"], "d2t": tensors["d2t"].long()})
-    hf = t.to_hf()
     config = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "hidden_size": t.hidden_size,
-        "intermediate_size": t.intermediate_size,
-        "num_attention_heads": t.num_attention_heads,
-        "num_key_value_heads": t.num_key_value_heads,
-        "head_dim": t.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": t.rms_norm_eps,
-        "max_position_embeddings": t.max_position_embeddings,
-        "rope_theta": t.rope_theta,
-        "rope_scaling": hf.get("rope_scaling"),
+        **draft_layer_fields(t),
         "vocab_size": t.vocab_size,
         "draft_vocab_size": spec.vocab,
         "target_hidden_size": t.hidden_size,
