@@ -278,11 +278,12 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, TrainingStates, int]:
     acc = Accelerator(gradient_accumulation_steps=tc.grad_accum, cpu=not torch.cuda.is_available())
     torch.manual_seed(tc.seed)
     target = Target.resolve(cfg.model.target)
-    mode, data = choose_states(cfg, head_spec(cfg.model, target.config, target.dir), target.dir, acc.print)
+    spec = head_spec(cfg.model, target.config, target.dir)
+    mode, data = choose_states(cfg, spec, target.dir, acc.print)
     # Online, the target is sharded over model.tp_size processes and the groups split the data.
     sharding = {"sharded_as": "mtp_train.train", "data_parallel": True} if mode == "online" else {}
     run = resolve_run(cfg.model, device=acc.device, **sharding)
-    states = open_states(cfg, run, mode, data)
+    states = open_states(cfg, run, mode, data, spec.aux_layers)
     head = build_head(cfg.model, run.target, run.dtype, states)
     states.check(head.spec, run.target.identity)
     t = prepare_training(acc, head, tc)
@@ -304,21 +305,20 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, TrainingStates, int]:
     return t, run, states, start
 
 
-def open_states(cfg: RunConfig, run: Run, mode: str, data) -> TrainingStates:
+def open_states(cfg: RunConfig, run: Run, mode: str, data, aux_layers: tuple[int, ...]) -> TrainingStates:
     """The chosen source: the store, or the target loaded for online states (the head's layers captured)."""
     if mode == "store":
         return StoreStates(Store(cfg.train.store_dir))
     from inference_ref.target import load_target
     from mtp_train.precompute import data_hash
 
-    spec = head_spec(cfg.model, run.target.config, run.target.dir)
     model = load_target(
         run.target.dir, run.device, run.dtype, cfg.precompute.compile, run.quantization, run.tp_mesh
     )
     if run.ranks is not None and run.ranks.main:
         r = run.ranks
         print(f"online: the target on {r.tp_size} process(es) per copy, {r.dp_size} data-parallel copies")
-    return OnlineStates(data, model, spec.aux_layers, cfg.precompute.hidden_dtype, data_hash(data))
+    return OnlineStates(data, model, aux_layers, cfg.precompute.hidden_dtype, data_hash(data))
 
 
 def describe_data(states: TrainingStates, tc: TrainConfig) -> str:
