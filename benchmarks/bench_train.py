@@ -1,6 +1,7 @@
 """Training throughput, MFU and peak memory of the rmsnorm-restored head (random weights, synthetic store).
 
     accelerate launch --config_file launch/accelerate/zero2_1gpu.yaml -m benchmarks.bench_train --shape llama3_8b
+    python -m benchmarks.bench_train --shape llama3_8b --precision bf16      # one process (train.precision)
 
 MFU counts every model FLOP of a step: the head (fc + one decoder layer, forward, input and weight
 gradients, attention included), the draft logits (forward and input gradient: the lm_head is
@@ -68,7 +69,10 @@ def throughput(args, acc: Accelerator) -> dict:
     cfg = shape(args.shape)
     head = MTPHead(HeadSpec(args.variant, cfg), frozen(cfg, acc.device))
     tc = TrainConfig(
-        steps=args.warmup + args.steps, unroll_steps=args.unroll, loss_chunk_logits=args.chunk_logits
+        steps=args.warmup + args.steps,
+        unroll_steps=args.unroll,
+        loss_chunk_logits=args.chunk_logits,
+        precision=args.precision,
     )
     t = prepare_training(acc, head, tc)  # the trainer's own set-up: objective, AdamW, schedule
     dtype = t.param_dtype
@@ -94,12 +98,19 @@ def throughput(args, acc: Accelerator) -> dict:
         one_step()
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / args.steps
+    kernels = {}
+    if args.profile:
+        try:
+            kernels = profile(one_step)
+        except Exception as e:  # the figures above stand without it
+            kernels = {"profile_error": repr(e)}
     tokens = batch.tokens - len(batch.segments.cu_seqlens) + 1
     flops = args.unroll * step_flops(cfg, tokens, args.sample_len)  # every chained step: the same work
     return {
         "micro_batch_tokens": tokens,
         "unroll_steps": args.unroll,
         "param_dtype": str(dtype),
+        "autocast": str(t.autocast),
         "batch_load_seconds": load_seconds,
         "tokens_per_s": tokens / seconds,
         "step_seconds": seconds,
@@ -107,6 +118,31 @@ def throughput(args, acc: Accelerator) -> dict:
         "mfu": flops / seconds / PEAK_BF16,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "head_parameters": sum(p.numel() for p in acc.unwrap_model(t.objective).head.parameters()),
+        **kernels,
+    }
+
+
+def profile(one_step, steps: int = 3, top: int = 25) -> dict:
+    """Where a step's GPU time goes: the `top` kernels by total CUDA time over `steps` steps, as
+    shares of the profiled steps' GPU time, and the share of the wall time the GPU was busy."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        for _ in range(steps):
+            one_step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    busy = sum(e.device_time_total for e in events) / 1e6
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    return {
+        "profile_gpu_busy_share": busy / wall,
+        "profile_kernels": [
+            {"name": e.key[:120], "share": e.device_time_total / 1e6 / busy, "calls": e.count // steps}
+            for e in events[:top]
+        ],
     }
 
 
@@ -133,7 +169,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--unroll", type=int, default=1, help="chained training steps (train.unroll_steps)")
     p.add_argument("--variant", default="rmsnorm-restored")
+    p.add_argument("--precision", default="auto", help="train.precision (one process: bf16 on a GPU)")
     p.add_argument("--skip-loss-memory", action="store_true")
+    p.add_argument("--profile", action="store_true", help="also record the top kernels by GPU time")
     args = p.parse_args()
     acc = Accelerator()
     figures = {
@@ -142,7 +180,8 @@ def main() -> None:
             if acc.state.deepspeed_plugin
             else "python -m benchmarks.bench_train"
         )
-        + f" --shape {args.shape} --tokens {args.tokens} --unroll {args.unroll}",
+        + f" --shape {args.shape} --tokens {args.tokens} --unroll {args.unroll} --variant {args.variant}"
+        + ("" if acc.state.deepspeed_plugin else f" --precision {args.precision}"),
         "distributed": str(acc.distributed_type),
         **throughput(args, acc),
     }
@@ -154,8 +193,9 @@ def main() -> None:
         figures["loss_peak_gib_vocab_128k_unchunked_estimate"] = args.tokens * 128256 * 4 * 3 / 2**30
     if acc.is_main_process:
         suffix = "" if args.unroll == 1 else f"_unroll{args.unroll}"
-        plain = "" if acc.state.deepspeed_plugin else "_no_deepspeed"
-        write_result(f"train_{args.shape}{suffix}{plain}", figures)
+        variant = "" if args.variant == "rmsnorm-restored" else f"_{args.variant}"
+        plain = "" if acc.state.deepspeed_plugin else f"_one_process_{args.precision}"
+        write_result(f"train_{args.shape}{variant}{suffix}{plain}", figures)
 
 
 if __name__ == "__main__":

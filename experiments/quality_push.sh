@@ -12,7 +12,8 @@
 #         validated on them through the loop (τ at k = 4, greedy), the figure by which an lr is
 #         chosen, never MT-bench: selection.json lists them; the default lines are the first
 #         run's A / B / C;
-#   validation  MT-bench and vicuna-bench, both turns, VAL_NEW new tokens, batch 80, k = 1 … 5,
+#         DS_HEADS lists the heads trained under DeepSpeed ZeRO-2 instead of one process;
+#   validation  of VAL_HEADS: MT-bench and vicuna-bench, both turns, VAL_NEW new tokens, batch 80, k = 1 … 5,
 #         TEMPS, per category, SSD hit rates (F = 1, 4, 8, 16); with TREES=head also EAGLE-2 trees
 #         of 4/16/32/64 nodes (depth 5) and Saguaro sampling (c = 0.5, 0.2) for that head.
 # After experiments/gpu_machine.sh's set-up (the target converted, prompts and wheels in place).
@@ -50,6 +51,8 @@ TOKENS=${TOKENS:-32768}             # per micro-batch
 LR=${LR:-1.5e-3}                    # where a HEADS line does not set train.lr
 VAL_NEW=${VAL_NEW:-256}
 VAL_PROMPTS=${VAL_PROMPTS:-null}    # null: all 80
+VAL_HEADS=${VAL_HEADS-all}          # the heads validated on MT-bench and vicuna-bench ("all", or names)
+DS_HEADS=${DS_HEADS:-}              # heads trained under accelerate launch + DeepSpeed ZeRO-2 (one GPU)
 SEL_PROMPTS=${SEL_PROMPTS:-100}     # set-aside prompts validated at the end of training
 mkdir -p "$R/logs"
 common=(model=smollm2_135m "model.target=$T" "run_dir=$R")
@@ -87,7 +90,10 @@ train() {  # name, steps, overrides...
   shift 2
   [ -f "$R/heads/$name/train_summary.json" ] && return
   [[ " $* " == *" train.lr="* ]] || lr=("train.lr=$LR")
-  python3 -m mtp_train.train "${common[@]}" "train.store_dir=$store" "train.out_dir=$R/heads/$name" \
+  local launch=(python3 -m)
+  # one DeepSpeed run at a time: its single process still takes the rendezvous port
+  [[ " $DS_HEADS " == *" $name "* ]] && launch=(accelerate launch --config_file launch/accelerate/zero2_1gpu.yaml -m)
+  "${launch[@]}" mtp_train.train "${common[@]}" "train.store_dir=$store" "train.out_dir=$R/heads/$name" \
     "train.steps=$steps" "train.tokens_per_micro_batch=$TOKENS" train.warmup_steps=30 "${lr[@]}" \
     "train.save_every=$(( steps / 2 ))" logging.log_every=10 "train.validate_every=$(( steps / 6 ))" \
     "train.spec_validate_at=[$steps]" \
@@ -117,6 +123,7 @@ validate() {  # head, report name, prompts file, overrides...
 }
 log validate
 while read -r name steps overrides; do
+  [[ "$VAL_HEADS" == all || " $VAL_HEADS " == *" $name "* ]] || continue
   variant=$(tr ' ' '\n' <<< "$overrides" | grep '^model.variant=' || true)
   validate "$name" mt_bench data/mt_bench.jsonl $variant &
   validate "$name" vicuna_bench data/vicuna_bench.jsonl $variant &

@@ -204,6 +204,11 @@ class TrainConfig:
     """Token budget of one packed micro-batch per process."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
+    precision: str = "auto"
+    """How a run without DeepSpeed computes: `bf16` (mixed precision: matmuls and attention in bf16
+    under autocast; fp32 master weights, AdamW state, norms and the loss' softmax), `fp32`, or
+    `auto` (bf16 on a GPU, fp32 on a CPU, whose bf16 is slow without AMX). Under DeepSpeed its JSON's
+    `bf16` section decides and this must be `auto`."""
     lr: float = 1e-4
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -251,6 +256,12 @@ class TrainConfig:
     def __post_init__(self):
         require(
             self.states in ("store", "online", "auto"), "train.states", self.states, "store, online or auto"
+        )
+        require(
+            self.precision in ("auto", "bf16", "fp32"),
+            "train.precision",
+            self.precision,
+            "auto, bf16 or fp32",
         )
         at_least(
             "train",

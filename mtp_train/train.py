@@ -145,6 +145,8 @@ class Training:
     """This process's data-parallel place: every process, or with online states its tensor-parallel group."""
     identity: dict | None = None
     """What the run was made with, recorded in its checkpoints (`run_identity`)."""
+    autocast: torch.dtype | None = None
+    """The dtype the step's forward autocasts to (`train.precision`; None: the parameters' own)."""
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -164,7 +166,23 @@ def prepare_training(acc: Accelerator, head: MTPHead, tc: TrainConfig) -> Traini
     )
     configure_deepspeed(acc, tc)
     objective, optimizer = acc.prepare(objective, optimizer)
-    return Training(acc, objective, optimizer, scheduler, tc, steps)
+    return Training(acc, objective, optimizer, scheduler, tc, steps, autocast=autocast_dtype(acc, tc))
+
+
+def autocast_dtype(acc: Accelerator, tc: TrainConfig) -> torch.dtype | None:
+    """What `train.precision` asks of a run without DeepSpeed: bf16 autocast over fp32 parameters
+    (their fp32 copy is the master weights AdamW updates), or plain fp32. Under DeepSpeed the
+    parameters themselves are bf16 (ZeRO keeps the fp32 master copy), as its JSON says."""
+    if acc.state.deepspeed_plugin is not None:
+        if tc.precision != "auto":
+            raise ValueError(
+                f"train.precision={tc.precision} is for runs without DeepSpeed: under DeepSpeed its "
+                "JSON's bf16 section decides (launch/accelerate/deepspeed/*.json); leave train.precision=auto"
+            )
+        return None
+    if tc.precision == "auto":  # a CPU without AMX runs bf16 matmuls slower than fp32
+        return torch.bfloat16 if acc.device.type == "cuda" else None
+    return torch.bfloat16 if tc.precision == "bf16" else None
 
 
 def train_step(t: Training, batches: Iterator[DraftBatch]) -> tuple[list, torch.Tensor, float]:
@@ -177,7 +195,9 @@ def train_step(t: Training, batches: Iterator[DraftBatch]) -> tuple[list, torch.
         waited += time.perf_counter() - asked
         batch = batch.to(t.acc.device, t.param_dtype)
         with t.acc.accumulate(t.objective):
-            loss, metrics = t.objective(batch)
+            # Backward outside autocast: each op's gradient runs in the dtype its forward chose.
+            with torch.autocast(t.acc.device.type, t.autocast, enabled=t.autocast is not None):
+                loss, metrics = t.objective(batch)
             t.acc.backward(loss)
             if t.acc.sync_gradients:
                 grad_norm = t.acc.clip_grad_norm_(t.objective.parameters(), t.tc.grad_clip)
@@ -326,6 +346,7 @@ def describe_data(states: TrainingStates, tc: TrainConfig) -> str:
 
 
 SETTINGS = (
+    "precision",
     "lr",
     "weight_decay",
     "betas",

@@ -197,3 +197,61 @@ def test_validation_runs_inside_training(tiny_target, tiny_store, tmp_path):
     }
     assert_tau_consistent(chain, k=2)
     assert (run / "train" / "head-latest" / "head.safetensors").exists()
+
+
+def test_bf16_mixed_precision_trains_fp32_master_weights_close_to_fp32(tiny_target, tiny_store, tmp_path):
+    """train.precision=bf16 (the one-process default on a GPU): the head's parameters and AdamW
+    state stay fp32 while its matmuls run in bf16, and the loss follows the fp32 run's."""
+    import torch
+
+    from mtp_train.train import micro_batches, set_up, train_step
+
+    common = ["train.steps=6", "train.save_every=0", "train.lr=3e-3"]
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        runs[precision] = tmp_path / precision
+        train(
+            config(
+                tiny_overrides(
+                    tiny_target, runs[precision], tiny_store, *common, f"train.precision={precision}"
+                )
+            )
+        )
+    fp32, bf16 = metrics(runs["fp32"]), metrics(runs["bf16"])
+    for step in range(1, 7):
+        assert bf16[step]["loss"] == pytest.approx(fp32[step]["loss"], rel=0.03), step
+    assert any(bf16[s]["loss"] != fp32[s]["loss"] for s in range(1, 7))  # bf16 did run
+    assert bf16[6]["loss"] < bf16[1]["loss"]
+
+    # One step by hand: the layer's linears compute in bf16, the weights and AdamW's moments are fp32.
+    cfg = config(tiny_overrides(tiny_target, tmp_path / "hand", tiny_store, *common, "train.precision=bf16"))
+    t, _, states, _ = set_up(cfg)
+    head = t.acc.unwrap_model(t.objective).head
+    seen = set()
+    hook = head.layer.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
+    linears = [m for m in head.layer.modules() if isinstance(m, torch.nn.Linear)]
+    hooks = [m.register_forward_hook(lambda m, i, out: seen.add(("linear", out.dtype))) for m in linears]
+    train_step(t, micro_batches(t, states, 0, t.acc.device))
+    hook.remove()
+    for h in hooks:
+        h.remove()
+    assert t.autocast == torch.bfloat16 and ("linear", torch.bfloat16) in seen
+    assert all(p.dtype == torch.float32 for p in head.parameters())
+    moments = [s["exp_avg"] for s in t.optimizer.state.values()]
+    assert moments and all(m.dtype == torch.float32 for m in moments)
+
+
+def test_precision_is_refused_under_deepspeed_unless_auto():
+    from types import SimpleNamespace
+
+    from mtp_train.config import TrainConfig
+    from mtp_train.train import autocast_dtype
+
+    acc = SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=object()), device=SimpleNamespace(type="cuda")
+    )
+    assert autocast_dtype(acc, TrainConfig(precision="auto")) is None
+    with pytest.raises(ValueError, match="train.precision=bf16 is for runs without DeepSpeed"):
+        autocast_dtype(acc, TrainConfig(precision="bf16"))
+    cpu = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None), device=SimpleNamespace(type="cpu"))
+    assert autocast_dtype(cpu, TrainConfig(precision="auto")) is None  # a CPU's bf16 is slow without AMX
