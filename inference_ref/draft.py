@@ -22,17 +22,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from safetensors.torch import load_file
 from torch import nn
 
 from inference_ref.draft_base import Draft, fuse_head_state
+from inference_ref.head_files import read_head_files
 from inference_ref.head_spec import (
     CONFIG,
-    WEIGHTS,
     HeadSpec,
     check_aux_layers,
     check_head_fits_target,
-    read_json,
     resolve_class,
 )
 from inference_ref.models import TARGET_KINDS
@@ -54,12 +52,11 @@ class MTPDraft(Draft):
 def load_draft(path: str | Path, target: TargetModel) -> MTPDraft:
     """Load a native-format head directory for `target`, refusing one made for another shape."""
     path = Path(path)
-    config = read_json(path / CONFIG)
+    config, tensors = read_head_files(path)  # a native export, or an eagle3/vllm one renamed back
     spec = HeadSpec.from_config(config, f"{path / CONFIG}")
     check_head_fits_target(config, target.cfg)
     if spec.aux_layers:  # the layers it reads must be this target's
         check_aux_layers(spec.aux_layers, target.cfg.num_hidden_layers, f"{path / CONFIG}: aux_layers")
-    tensors = load_file(str(path / WEIGHTS))
     for name, shared in config.get("shared_with_target", {}).items():
         if not shared and f"{name}.weight" not in tensors:
             raise ValueError(f"{path}: config.json says {name} is not shared, but head.safetensors lacks it")

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import hydra
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from inference_ref.head_files import ENGINE_WEIGHTS, NATIVE_CONFIG, read_head_files, read_native_config
 from inference_ref.head_spec import (
     CONFIG,
     FORMAT,
@@ -38,7 +39,6 @@ from inference_ref.head_spec import (
     HeadSpec,
     check_head_fits_target,
     draft_ids,
-    read_json,
 )
 from inference_ref.target import TargetConfig, frozen_target_tensors
 from mtp_train.cli import one_line_errors
@@ -49,7 +49,6 @@ from mtp_train.run import Target
 from mtp_train.serving.layouts import HOLD_SHARED, LAYOUTS, LayoutUnsupported
 from mtp_train.target_files import check_same_target
 
-ENGINE_WEIGHTS = "model.safetensors"  # engines read every *.safetensors of the draft directory
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # Native names of the shared tensors (`head_spec.SHARED`) → the DraftHead buffers that hold the target's copies.
@@ -195,11 +194,10 @@ def _sync(directory: Path) -> None:
 
 
 def read_head_config(head_dir: str | Path) -> dict:
-    """config.json of a native head directory, checked to be this format."""
+    """The native config of a head directory (a native export, or the one an eagle3/vllm export
+    carries under `mtp_train_head`), checked to be this format."""
     path = Path(head_dir) / CONFIG
-    if not path.exists():
-        raise FileNotFoundError(f"{head_dir}: no {CONFIG} (expected a native head directory)")
-    config = read_json(path)
+    config = read_native_config(head_dir)
     if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{path}: format {config.get('format')!r} v{config.get('format_version')!r}, "
@@ -223,7 +221,7 @@ def load_head(head_dir: str | Path, target: Target | str | Path) -> DraftHead:
     config = read_head_config(head_dir)
     check_head_matches_target(config, head_dir, target.config, target.identity)
     spec = HeadSpec.from_config(config, f"{head_dir / CONFIG}")
-    tensors = load_file(str(head_dir / WEIGHTS))
+    _, tensors = read_head_files(head_dir)
     for name in SHARED_BUFFERS:  # stored copies of the target's own tensors: the target's are used
         tensors.pop(name, None)
     check_layout(tensors, native_table(spec, False), f"{head_dir / WEIGHTS}")
@@ -288,6 +286,9 @@ def _layout_writer(
             f"{', '.join(head.spec.kind.layouts)})"
         )
     check_layout(layout.tensors, layout.table, f"layout {name}")
+    if name in ("eagle3", "vllm") and head.spec.kind.fuses_aux and not head.spec.kind.blocks:
+        # the native config, so that this directory alone is a head our loop reads back (head_files)
+        layout.config[NATIVE_CONFIG] = head_config(head, identity, training, dtype, False)
     return lambda d: write_files(d, layout.tensors, layout.config, ENGINE_WEIGHTS)
 
 

@@ -68,13 +68,24 @@ def target_identity(model_dir: str | Path, config: TargetConfig | None = None) -
         "config_hash": (config or read_target_config(model_dir)).fingerprint(),
         "weights_hash": weights_hash(model_dir),
         "tokenizer_hash": _file_hash(model_dir / "tokenizer.json"),
+        "vocab_hash": vocab_hash(tok),
         "chat_template_hash": hashlib.sha256(template.encode()).hexdigest()[:16],
     }
 
 
+def vocab_hash(tok) -> str:
+    """The tokenizer's token ↔ id map, which is what a head's ids mean. tokenizer.json's bytes are
+    not: two transformers versions write different files for one GGUF's tokenizer (decoder and
+    fallback settings) with the same vocabulary and the same ids."""
+    pairs = sorted(tok.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(pairs, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 def check_same_target(expected: dict, found: dict, what: str) -> None:
     """Raise naming the first field on which `found` (e.g. a store's manifest) differs from the target."""
-    for key in ("config_hash", "weights_hash", "tokenizer_hash", "chat_template_hash"):
+    # Records made before vocab_hash existed are compared by tokenizer.json's bytes.
+    vocab = "vocab_hash" if "vocab_hash" in expected and "vocab_hash" in found else "tokenizer_hash"
+    for key in ("config_hash", "weights_hash", vocab, "chat_template_hash"):
         if expected.get(key) != found.get(key):
             raise ValueError(
                 f"{what} was made with another target: {key} is {found.get(key)!r}, "

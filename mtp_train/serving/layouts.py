@@ -323,7 +323,13 @@ def vllm_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: d
     if spec.kind.blocks:  # dflash: stock vLLM's DFlashDraftModel
         return dflash_export(tensors, spec)
     if spec.kind.fuses_aux:  # eagle3, eagle3.1: stock vLLM's Eagle3LlamaForCausalLM
-        return eagle3_export(tensors, spec, identity)
+        export = eagle3_export(tensors, spec, identity)
+        if not spec.draft_vocab_size:
+            # The whole vocabulary: the lm_head is the target's own, and vLLM 0.32 shares the
+            # target's where the checkpoint has none (`has_own_lm_head`, set by utils.py
+            # process_eagle_weight; llm_base_proposer.py `_maybe_share_lm_head`): V × H less to ship.
+            del export.tensors["lm_head.weight"], export.table["lm_head.weight"]
+        return export
     if spec.variant not in vllm_plugin.ARCHITECTURES:
         raise LayoutUnsupported(f"layout vllm: no vLLM class serves a {spec.variant} head")
     kind = spec.target.model_type

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from inference_ref.draft import MTPDraft, check_head_fits_target, load_draft
 from inference_ref.generate import generate
-from inference_ref.head_spec import read_json
+from inference_ref.head_files import read_native_config
 from inference_ref.speculative import SSD, Chain, SpecStats, speculative_generate
 from inference_ref.target import TargetModel, load_target
 from inference_ref.tree import TreeShape
@@ -35,7 +35,7 @@ class Evaluator:
 
     @classmethod
     def load(cls, run: Run, head_dir: Path, compile: bool = False) -> Evaluator:
-        config = read_json(Path(head_dir) / "config.json")
+        config = read_native_config(head_dir)  # a native or an eagle3/vllm export
         check_head_fits_target(config, run.target.config)  # before loading the target
         check_same_target(run.target.identity, config["target"], f"head {head_dir}")
         target = load_target(run.target.dir, run.device, run.dtype, compile, run.quantization, run.tp_mesh)

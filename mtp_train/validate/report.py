@@ -18,7 +18,7 @@ def report_fingerprint(cfg: RunConfig) -> str:
     A rerun with all of them unchanged reuses the report instead of decoding again."""
     head = Path(cfg.validate.head)
     h = hashlib.sha256()
-    for name in ("config.json", "head.safetensors"):
+    for name in ("config.json", "head.safetensors", "model.safetensors"):  # native or engine export
         h.update((head / name).read_bytes() if (head / name).exists() else b"")
     settings = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "validate", "data")}
     h.update(json.dumps(settings, sort_keys=True, default=str).encode())

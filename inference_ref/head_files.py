@@ -1,0 +1,74 @@
+"""A head directory read as the native format, whichever of the two this project writes it is:
+
+- a native export: `head.safetensors` under the training module's names, `config.json` with
+  `format: mtp-train-head`;
+- an EAGLE-3-family engine export (the `eagle3` layout, and the `vllm` layout of eagle3 / eagle3.1
+  heads): `model.safetensors` under the engines' names, and a `config.json` that the engines read
+  and that carries the native config under `mtp_train_head`. Its tensors are renamed back here.
+
+So a published head is one directory that vLLM serves as it is and that our loop validates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from inference_ref.head_spec import CONFIG, HEAD_KINDS, WEIGHTS, read_json
+
+ENGINE_WEIGHTS = "model.safetensors"
+"""The engine layouts' weights file (the engines read every *.safetensors of a draft directory)."""
+NATIVE_CONFIG = "mtp_train_head"
+"""The config.json key under which an engine export keeps the native config it was made from."""
+EAGLE3_LAYER = "midlayer."
+"""The decoder layer's prefix in the EAGLE-3 layout (`layer.` natively)."""
+
+
+def read_config(path: Path) -> dict:
+    """A head directory's config.json as it is."""
+    if not (path / CONFIG).exists():
+        raise FileNotFoundError(
+            f"{path}: no {CONFIG} (expected a head directory: a native or eagle3/vllm export)"
+        )
+    return read_json(path / CONFIG)
+
+
+def read_native_config(path: str | Path) -> dict:
+    """The native config of a head directory (checked by `HeadSpec.from_config`, not here)."""
+    config = read_config(Path(path))
+    return config.get(NATIVE_CONFIG, config)
+
+
+def read_head_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(native config, tensors under native names) of a head directory."""
+    path = Path(path)
+    config = read_config(path)
+    if NATIVE_CONFIG not in config:
+        if not (path / WEIGHTS).exists():
+            raise FileNotFoundError(f"{path}: no {WEIGHTS} beside its {CONFIG}")
+        return config, load_file(str(path / WEIGHTS))
+    native = config[NATIVE_CONFIG]
+    kind = HEAD_KINDS.get(native.get("variant"))
+    if kind is None or not kind.fuses_aux or kind.blocks:
+        raise ValueError(
+            f"{path / CONFIG}: an engine export of a {native.get('variant')} head is not read back "
+            "(only the EAGLE-3 layout is): point at its native export"
+        )
+    return native, native_from_eagle3(load_file(str(path / ENGINE_WEIGHTS)), native["draft_vocab_size"])
+
+
+def native_from_eagle3(tensors: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:
+    """The inverse of the EAGLE-3 layout's renaming: the layer back under `layer.`, fc, norm and
+    EAGLE-3.1's fc_norm as they are. The layout's lm_head rows and t2d are the target's lm_head
+    and the set of d2t's ids, which the native head takes from the target and d2t; d2t is all
+    zeros where the layout omits it (the whole vocabulary)."""
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith(EAGLE3_LAYER):
+            out["layer." + name[len(EAGLE3_LAYER) :]] = t
+        elif name not in ("lm_head.weight", "t2d"):
+            out[name] = t
+    out.setdefault("d2t", torch.zeros(vocab, dtype=torch.long))
+    return out
