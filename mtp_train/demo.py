@@ -163,8 +163,29 @@ def run_demo(overrides: list[str]) -> dict:
             f"serve it in vLLM: python -m mtp_train.serve run_dir={cfg.run_dir}  (prints the vllm serve command)"
         )
     print(f"report: {cfg.validate.report}")
+    print(published_heads())
     print(f"total {time.perf_counter() - started:.0f} s on {torch.get_num_threads()} threads")
     return report
+
+
+PUBLISHED = Path(__file__).resolve().parent.parent / "heads" / "smollm2_135m"
+
+
+def published_heads() -> str:
+    """Where the heads trained longer on a GPU are, and the command that tries one (where the
+    checkout has them: an installed wheel has no `heads/`)."""
+    card = PUBLISHED / "card.json"
+    if not card.exists():
+        return "published heads: heads/smollm2_135m in the repository"
+    heads = json.loads(card.read_text())["heads"]
+    name, head = next(iter(heads.items()))
+    return (
+        f"published heads, trained longer on a GPU ({', '.join(heads)}; τ and recipe in "
+        f"{PUBLISHED / 'README.md'}): try one with\n  python -m mtp_train.validate "
+        f"model.variant={head['variant']} validate.head={PUBLISHED / head['dir']} "
+        "validate.eval_files=[data/mt_bench.jsonl] validate.num_prompts=6 validate.chain_lengths=[4] "
+        "validate.temperatures=[0.0]"
+    )
 
 
 if __name__ == "__main__":
