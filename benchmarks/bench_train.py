@@ -134,7 +134,11 @@ def profile(one_step, steps: int = 3, top: int = 25) -> dict:
             one_step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - started
-    events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    events = [
+        e
+        for e in prof.key_averages()
+        if e.device_time_total > 0 and e.device_type.name == "CUDA" and "#" not in e.key  # not annotations
+    ]
     busy = sum(e.device_time_total for e in events) / 1e6
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     return {

@@ -52,7 +52,7 @@ def compare(run_dir: Path, names: list[str], key: str, tail: int) -> dict:
         noise = math.hypot(heads[n]["standard_error"], heads[base]["standard_error"])
         heads[n][f"vs_{base}"] = {
             "final_difference": diff,
-            "in_noise_units": diff / noise if noise else math.inf,
+            "in_noise_units": diff / noise if noise else None,
             "within_noise": abs(diff) <= 2 * noise,
             "largest_gap": max(gaps) if gaps else None,
             "largest_gap_at_step": shared[gaps.index(max(gaps))] if gaps else None,

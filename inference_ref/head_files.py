@@ -36,9 +36,17 @@ def read_config(path: Path) -> dict:
 
 
 def read_native_config(path: str | Path) -> dict:
-    """The native config of a head directory (checked by `HeadSpec.from_config`, not here)."""
+    """The native config of a head directory (its format checked by `HeadSpec.from_config`)."""
     config = read_config(Path(path))
-    return config.get(NATIVE_CONFIG, config)
+    if NATIVE_CONFIG in config:
+        return config[NATIVE_CONFIG]
+    if "format" not in config:  # an engine layout without the native config
+        arch = (config.get("architectures") or ["?"])[0]
+        raise ValueError(
+            f"{Path(path) / CONFIG}: an engine export ({arch}) that carries no native config: point at "
+            f"the head's native export (only eagle3 / eagle3.1 heads' eagle3 and vllm exports are read back)"
+        )
+    return config
 
 
 def read_head_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -46,6 +54,7 @@ def read_head_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     path = Path(path)
     config = read_config(path)
     if NATIVE_CONFIG not in config:
+        config = read_native_config(path)  # refuses an engine export it cannot read back
         if not (path / WEIGHTS).exists():
             raise FileNotFoundError(f"{path}: no {WEIGHTS} beside its {CONFIG}")
         return config, load_file(str(path / WEIGHTS))
@@ -56,6 +65,8 @@ def read_head_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
             f"{path / CONFIG}: an engine export of a {native.get('variant')} head is not read back "
             "(only the EAGLE-3 layout is): point at its native export"
         )
+    if not (path / ENGINE_WEIGHTS).exists():
+        raise FileNotFoundError(f"{path}: no {ENGINE_WEIGHTS} beside its {CONFIG}")
     return native, native_from_eagle3(load_file(str(path / ENGINE_WEIGHTS)), native["draft_vocab_size"])
 
 

@@ -183,7 +183,7 @@ def published_heads() -> str:
         f"published heads, trained longer on a GPU ({', '.join(heads)}; τ and recipe in "
         f"{PUBLISHED / 'README.md'}): try one with\n  python -m mtp_train.validate "
         f"model.variant={head['variant']} validate.head={PUBLISHED / head['dir']} "
-        "validate.eval_files=[data/mt_bench.jsonl] validate.num_prompts=6 validate.chain_lengths=[4] "
+        f"validate.eval_files=[{PUBLISHED.parent.parent / 'data' / 'mt_bench.jsonl'}] validate.num_prompts=6 validate.chain_lengths=[4] "
         "validate.temperatures=[0.0]"
     )
 

@@ -259,6 +259,7 @@ def export_layouts(
     """Each layout of `formats` of the native head `head_dir`, under `out_dir/<layout>/` (validation's
     vLLM pass exports the `vllm` layout through this too)."""
     target = target if isinstance(target, Target) else Target.resolve(str(target))
+    out_dir = Path(out_dir)
     head = load_head(head_dir, target)  # refuses another target
     training = read_head_config(head_dir)["training"]
     writers = {

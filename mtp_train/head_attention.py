@@ -138,6 +138,8 @@ def _flash_with_lse(q, k, v, seg: Segments):
 FLASH = Kernels(attention=flash_or_sdpa, with_lse=_flash_with_lse)
 
 
+@torch.autocast("cuda", enabled=False)  # fp32 as written, also inside bf16 training (train.precision)
+@torch.autocast("cpu", enabled=False)
 def exact_attention_with_lse(q, k, v, seg: Segments) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention inside each sample, with its log-sum-exp [T, Hq] (fp32), sample by sample."""
     group = q.shape[1] // k.shape[1]

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import mtp_train.export as ex
+from inference_ref.head_spec import HEAD_KINDS
 from inference_ref.models.llama import LlamaConfig, read_config
 from inference_ref.target import frozen_target_tensors
 from mtp_train.config import RunConfig
@@ -394,3 +395,70 @@ def test_cli_writes_requested_layouts(tiny_target, identity, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "export" / "native" / "head.safetensors").exists()
     assert (tmp_path / "export" / "eagle1" / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------- engine exports read back
+
+
+def fused_head(target_dir: Path, variant: str, draft_vocab: int = 0):
+    """An eagle3-family (or other) head on `target_dir` with every parameter off its initial value."""
+    from mtp_train.heads import build
+
+    cfg = read_config(target_dir)
+    aux = (0, 1) if HEAD_KINDS[variant].fuses_aux else ()
+    block = {"block_size": 3, "mask_token_id": 0} if HEAD_KINDS[variant].blocks else {}
+    spec = HeadSpec(variant, cfg, aux_layers=aux, draft_vocab_size=draft_vocab, **block)
+    ids = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
+    torch.manual_seed(0)
+    head = build(spec, frozen_target_tensors(target_dir), ids)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return head
+
+
+@pytest.mark.parametrize(
+    ("variant", "layout", "draft_vocab"),
+    [("eagle3", "vllm", 0), ("eagle3", "eagle3", 64), ("eagle3.1", "vllm", 64), ("eagle3.1", "vllm", 0)],
+)
+def test_an_eagle3_engine_export_reads_back_as_its_native_head(
+    tiny_target, identity, tmp_path, variant, layout, draft_vocab
+):
+    """An eagle3-family head's eagle3 / vllm export is a head directory in its own right: the
+    training module and the serving draft read it back to the native head's tensors (the whole
+    vocabulary's vllm export holds no lm_head: vLLM shares the target's)."""
+    from inference_ref.draft import load_draft
+    from inference_ref.target import load_target
+
+    native = ex.save_head(fused_head(tiny_target, variant, draft_vocab), tmp_path / "native", identity, {})
+    out = ex.export_layouts(native, tiny_target, [layout], tmp_path / "export", dtype="float32")[layout]
+    written = load_file(str(out / "model.safetensors"))
+    assert ("lm_head.weight" in written) == (layout == "eagle3" or draft_vocab > 0)
+    a, b = ex.load_head(native, tiny_target).state_dict(), ex.load_head(out, tiny_target).state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+    assert any(n.startswith("fc_norm.") for n in a) == (variant == "eagle3.1")
+    target = load_target(tiny_target, "cpu", torch.float32)
+    drafts = [load_draft(d, target) for d in (native, out)]
+    assert all(torch.equal(x, y) for x, y in zip(*(d.state_dict().values() for d in drafts)))
+    assert ex.read_head_config(out)["variant"] == variant  # export.checkpoint= takes it too
+
+
+@pytest.mark.parametrize("variant", ["rmsnorm-restored", "dflash"])
+def test_other_engine_exports_are_refused_as_heads_in_one_line(tiny_target, identity, tmp_path, variant):
+    native = ex.save_head(fused_head(tiny_target, variant), tmp_path / "native", identity, {})
+    out = ex.export_layouts(native, tiny_target, ["vllm"], tmp_path / "export")["vllm"]
+    assert "mtp_train_head" not in json.loads((out / "config.json").read_text())
+    with pytest.raises(ValueError, match="carries no native config: point at the head's native export"):
+        ex.load_head(out, tiny_target)
+
+
+def test_records_without_a_vocab_hash_are_compared_by_the_tokenizer_file(identity):
+    from mtp_train.target_files import check_same_target
+
+    old = {k: v for k, v in identity.items() if k != "vocab_hash"}
+    check_same_target(identity, old, "an old store")
+    with pytest.raises(ValueError, match="tokenizer_hash"):
+        check_same_target(identity, {**old, "tokenizer_hash": "0" * 16}, "an old store")
+    check_same_target(
+        identity, {**identity, "tokenizer_hash": "0" * 16}, "a new store"
+    )  # the vocabulary decides

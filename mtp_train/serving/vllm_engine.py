@@ -124,7 +124,8 @@ def head_method(head_dir: str | Path) -> str:
 
 def check_head_fits_target(head_dir: str | Path, target_dir: str | Path) -> None:
     """Refuse a head made for another target: sizes and auxiliary layers against the target's
-    config, and for the `vllm` layout the recorded target identity."""
+    config, and where the export records it (the plugin's `mtp_train` block, an eagle3-family
+    export's native config) the target identity."""
     from inference_ref.head_spec import read_json
     from mtp_train.target_files import check_same_target, target_identity
 
@@ -145,6 +146,12 @@ def check_head_fits_target(head_dir: str | Path, target_dir: str | Path) -> None
             f"head {head_dir} reads the states of layers {aux}; target {target_dir} has "
             f"{target['num_hidden_layers']} layers: it was exported for another target"
         )
+    native = config.get("mtp_train_head")  # an eagle3-family export: the native config it came from
+    if native:
+        try:
+            check_same_target(target_identity(target_dir), native["target"], f"head {head_dir}")
+        except ValueError as e:
+            raise CannotServe(str(e)) from None
     block = config.get("mtp_train")
     if block:
         if block["target_layers"] != target["num_hidden_layers"]:
