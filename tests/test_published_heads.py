@@ -1,6 +1,7 @@
 """The heads published in `heads/` (each directory a `vllm` export that stock vLLM serves as it is
 and that our loop reads back): on the first MT-bench questions, on a CPU in fp32, greedy, our loop's
-τ is the card's and vLLM, serving the published directory itself, counts what our loop counts."""
+τ is the card's and vLLM, serving the published directory itself, counts what our loop counts
+(that greedy speculative output is the target's own is the loop's property, tests/test_speculative.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import torch
 from transformers import AutoTokenizer
 
 from inference_ref.draft import load_draft
-from inference_ref.generate import generate
 from inference_ref.speculative import Chain, speculative_generate
 from inference_ref.target import load_target
 from mtp_train.data import load_prompts, prompt_ids
@@ -47,7 +47,6 @@ def test_published_head_serves_as_its_card_says(name, smollm2):
     k, new = check["k"], check["max_new_tokens"]
     ours = speculative_generate(target, load_draft(directory, target), ids, new, eos, Chain(k))
     tau = (sum(ours.stats.accepted) + ours.stats.tried[0]) / ours.stats.tried[0]
-    assert ours.tokens == generate(target, ids, new, eos)  # greedy: the target's own output
 
     run = vllm_engine.Run(name, head=str(directory), k=k)  # the published files, as they are
     served = vllm_engine.run_vllm(smollm2, ids, new, eos, [run])[name]

@@ -206,7 +206,7 @@ def test_bf16_mixed_precision_trains_fp32_master_weights_close_to_fp32(tiny_targ
 
     from mtp_train.train import micro_batches, set_up, train_step
 
-    common = ["train.steps=6", "train.save_every=0", "train.lr=3e-3"]
+    common = ["train.steps=4", "train.save_every=0", "train.lr=3e-3"]
     runs = {}
     for precision in ("fp32", "bf16"):
         runs[precision] = tmp_path / precision
@@ -218,10 +218,10 @@ def test_bf16_mixed_precision_trains_fp32_master_weights_close_to_fp32(tiny_targ
             )
         )
     fp32, bf16 = metrics(runs["fp32"]), metrics(runs["bf16"])
-    for step in range(1, 7):
+    for step in range(1, 5):
         assert bf16[step]["loss"] == pytest.approx(fp32[step]["loss"], rel=0.03), step
-    assert any(bf16[s]["loss"] != fp32[s]["loss"] for s in range(1, 7))  # bf16 did run
-    assert bf16[6]["loss"] < bf16[1]["loss"]
+    assert any(bf16[s]["loss"] != fp32[s]["loss"] for s in range(1, 5))  # bf16 did run
+    assert bf16[4]["loss"] < bf16[1]["loss"]
 
     # One step by hand: the layer's linears compute in bf16, the weights and AdamW's moments are fp32.
     cfg = config(tiny_overrides(tiny_target, tmp_path / "hand", tiny_store, *common, "train.precision=bf16"))
