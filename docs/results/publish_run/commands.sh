@@ -12,7 +12,7 @@ VAL_HEADS=E3 DS_HEADS=Rd MATCH='Rd Rb' HEADS="E3 1500 model.variant=eagle3 train
 Rb 600 model.variant=rmsnorm-restored train.unroll_steps=1
 Rd 600 model.variant=rmsnorm-restored train.unroll_steps=1" \
   setsid nohup bash experiments/push_machine.sh > /root/push.log 2>&1 &
-# 2. the machine went back during E3's benchmark validation (its 30 minutes held); E3's head had
+# 2. the machine went back during E3's benchmark validation (left idle between calls); E3's head had
 #    been copied out. On a fresh machine (the target converted again from the GGUF) it was validated
 #    with what quality_push.sh's validate() runs, T = 0 and 1:
 v() {
