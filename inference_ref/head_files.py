@@ -26,6 +26,12 @@ EAGLE3_LAYER = "midlayer."
 """The decoder layer's prefix in the EAGLE-3 layout (`layer.` natively)."""
 
 
+def reads_back(kind) -> bool:
+    """Whether a head kind's eagle3 / vllm exports carry its native config and are read back here:
+    the EAGLE-3 family (eagle3, eagle3.1), whose export is the EAGLE-3 layout."""
+    return kind.fuses_aux and not kind.blocks
+
+
 def read_config(path: Path) -> dict:
     """A head directory's config.json as it is."""
     if not (path / CONFIG).exists():
@@ -35,39 +41,45 @@ def read_config(path: Path) -> dict:
     return read_json(path / CONFIG)
 
 
-def read_native_config(path: str | Path) -> dict:
-    """The native config of a head directory (its format checked by `HeadSpec.from_config`)."""
-    config = read_config(Path(path))
+def native_config(config: dict, path: Path) -> dict:
+    """The native config in a head directory's `config` (its format checked by
+    `HeadSpec.from_config`); an engine export that carries none is refused."""
     if NATIVE_CONFIG in config:
-        return config[NATIVE_CONFIG]
+        native = config[NATIVE_CONFIG]
+        kind = HEAD_KINDS.get(native.get("variant"))
+        if kind is None or not reads_back(kind):
+            raise ValueError(
+                f"{path / CONFIG}: an engine export of a {native.get('variant')} head is not read back "
+                "(only the EAGLE-3 layout is): point at its native export"
+            )
+        return native
     if "format" not in config:  # an engine layout without the native config
         arch = (config.get("architectures") or ["?"])[0]
         raise ValueError(
-            f"{Path(path) / CONFIG}: an engine export ({arch}) that carries no native config: point at "
+            f"{path / CONFIG}: an engine export ({arch}) that carries no native config: point at "
             f"the head's native export (only eagle3 / eagle3.1 heads' eagle3 and vllm exports are read back)"
         )
     return config
+
+
+def read_native_config(path: str | Path) -> dict:
+    """The native config of a head directory, native or engine export."""
+    path = Path(path)
+    return native_config(read_config(path), path)
 
 
 def read_head_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(native config, tensors under native names) of a head directory."""
     path = Path(path)
     config = read_config(path)
-    if NATIVE_CONFIG not in config:
-        config = read_native_config(path)  # refuses an engine export it cannot read back
-        if not (path / WEIGHTS).exists():
-            raise FileNotFoundError(f"{path}: no {WEIGHTS} beside its {CONFIG}")
-        return config, load_file(str(path / WEIGHTS))
-    native = config[NATIVE_CONFIG]
-    kind = HEAD_KINDS.get(native.get("variant"))
-    if kind is None or not kind.fuses_aux or kind.blocks:
-        raise ValueError(
-            f"{path / CONFIG}: an engine export of a {native.get('variant')} head is not read back "
-            "(only the EAGLE-3 layout is): point at its native export"
-        )
-    if not (path / ENGINE_WEIGHTS).exists():
-        raise FileNotFoundError(f"{path}: no {ENGINE_WEIGHTS} beside its {CONFIG}")
-    return native, native_from_eagle3(load_file(str(path / ENGINE_WEIGHTS)), native["draft_vocab_size"])
+    native = native_config(config, path)
+    weights = path / (ENGINE_WEIGHTS if native is not config else WEIGHTS)
+    if not weights.exists():
+        raise FileNotFoundError(f"{path}: no {weights.name} beside its {CONFIG}")
+    tensors = load_file(str(weights))
+    if native is config:
+        return native, tensors
+    return native, native_from_eagle3(tensors, native["draft_vocab_size"])
 
 
 def native_from_eagle3(tensors: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:

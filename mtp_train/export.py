@@ -30,7 +30,13 @@ import hydra
 import torch
 from safetensors.torch import save_file
 
-from inference_ref.head_files import ENGINE_WEIGHTS, NATIVE_CONFIG, read_head_files, read_native_config
+from inference_ref.head_files import (
+    ENGINE_WEIGHTS,
+    NATIVE_CONFIG,
+    read_head_files,
+    read_native_config,
+    reads_back,
+)
 from inference_ref.head_spec import (
     CONFIG,
     FORMAT,
@@ -287,7 +293,7 @@ def _layout_writer(
             f"{', '.join(head.spec.kind.layouts)})"
         )
     check_layout(layout.tensors, layout.table, f"layout {name}")
-    if name in ("eagle3", "vllm") and head.spec.kind.fuses_aux and not head.spec.kind.blocks:
+    if name in ("eagle3", "vllm") and reads_back(head.spec.kind):
         # the native config, so that this directory alone is a head our loop reads back (head_files)
         layout.config[NATIVE_CONFIG] = head_config(head, identity, training, dtype, False)
     return lambda d: write_files(d, layout.tensors, layout.config, ENGINE_WEIGHTS)

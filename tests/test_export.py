@@ -35,10 +35,18 @@ from mtp_train.target_files import target_identity, write_random_target
 REPO = Path(__file__).resolve().parents[1]
 
 
-def trained_head(target_dir: Path, variant: str, seed: int = 0) -> MTPHead:
-    """A head whose every parameter is off its initial value (norms ≠ 1, bias ≠ 0)."""
-    torch.manual_seed(seed)
-    head = MTPHead(HeadSpec(variant, read_config(target_dir)), frozen_target_tensors(target_dir))
+def trained_head(target_dir: Path, variant: str, seed: int = 0, draft_vocab: int = 0):
+    """A head of any kind on `target_dir` whose every parameter is off its initial value (norms ≠
+    1, bias ≠ 0); eagle3-family heads read layers 0 and 1, a draft vocabulary the even token ids."""
+    from mtp_train.heads import build
+
+    kind = HEAD_KINDS[variant]
+    aux = (0, 1) if kind.fuses_aux else ()
+    block = {"block_size": 3, "mask_token_id": 0} if kind.blocks else {}
+    spec = HeadSpec(variant, read_config(target_dir), aux_layers=aux, draft_vocab_size=draft_vocab, **block)
+    ids = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
+    torch.manual_seed(seed)  # before the head: its initial values are drawn too
+    head = build(spec, frozen_target_tensors(target_dir), ids)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -400,23 +408,6 @@ def test_cli_writes_requested_layouts(tiny_target, identity, tmp_path):
 # ---------------------------------------------------------------------------- engine exports read back
 
 
-def fused_head(target_dir: Path, variant: str, draft_vocab: int = 0):
-    """An eagle3-family (or other) head on `target_dir` with every parameter off its initial value."""
-    from mtp_train.heads import build
-
-    cfg = read_config(target_dir)
-    aux = (0, 1) if HEAD_KINDS[variant].fuses_aux else ()
-    block = {"block_size": 3, "mask_token_id": 0} if HEAD_KINDS[variant].blocks else {}
-    spec = HeadSpec(variant, cfg, aux_layers=aux, draft_vocab_size=draft_vocab, **block)
-    ids = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
-    torch.manual_seed(0)
-    head = build(spec, frozen_target_tensors(target_dir), ids)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return head
-
-
 @pytest.mark.parametrize(
     ("variant", "layout", "draft_vocab"),
     [("eagle3", "vllm", 0), ("eagle3", "eagle3", 64), ("eagle3.1", "vllm", 64), ("eagle3.1", "vllm", 0)],
@@ -430,7 +421,9 @@ def test_an_eagle3_engine_export_reads_back_as_its_native_head(
     from inference_ref.draft import load_draft
     from inference_ref.target import load_target
 
-    native = ex.save_head(fused_head(tiny_target, variant, draft_vocab), tmp_path / "native", identity, {})
+    native = ex.save_head(
+        trained_head(tiny_target, variant, draft_vocab=draft_vocab), tmp_path / "native", identity, {}
+    )
     out = ex.export_layouts(native, tiny_target, [layout], tmp_path / "export", dtype="float32")[layout]
     written = load_file(str(out / "model.safetensors"))
     assert ("lm_head.weight" in written) == (layout == "eagle3" or draft_vocab > 0)
@@ -445,7 +438,7 @@ def test_an_eagle3_engine_export_reads_back_as_its_native_head(
 
 @pytest.mark.parametrize("variant", ["rmsnorm-restored", "dflash"])
 def test_other_engine_exports_are_refused_as_heads_in_one_line(tiny_target, identity, tmp_path, variant):
-    native = ex.save_head(fused_head(tiny_target, variant), tmp_path / "native", identity, {})
+    native = ex.save_head(trained_head(tiny_target, variant), tmp_path / "native", identity, {})
     out = ex.export_layouts(native, tiny_target, ["vllm"], tmp_path / "export")["vllm"]
     assert "mtp_train_head" not in json.loads((out / "config.json").read_text())
     with pytest.raises(ValueError, match="carries no native config: point at the head's native export"):

@@ -46,7 +46,7 @@ def test_published_head_serves_as_its_card_says(name, smollm2):
     eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
     k, new = check["k"], check["max_new_tokens"]
     ours = speculative_generate(target, load_draft(directory, target), ids, new, eos, Chain(k))
-    tau = (sum(ours.stats.accepted) + ours.stats.tried[0]) / ours.stats.tried[0]
+    tau = ours.stats.mean_accepted_len
 
     run = vllm_engine.Run(name, head=str(directory), k=k)  # the published files, as they are
     served = vllm_engine.run_vllm(smollm2, ids, new, eos, [run])[name]

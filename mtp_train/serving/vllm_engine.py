@@ -146,21 +146,17 @@ def check_head_fits_target(head_dir: str | Path, target_dir: str | Path) -> None
             f"head {head_dir} reads the states of layers {aux}; target {target_dir} has "
             f"{target['num_hidden_layers']} layers: it was exported for another target"
         )
-    native = config.get("mtp_train_head")  # an eagle3-family export: the native config it came from
-    if native:
-        try:
-            check_same_target(target_identity(target_dir), native["target"], f"head {head_dir}")
-        except ValueError as e:
-            raise CannotServe(str(e)) from None
     block = config.get("mtp_train")
-    if block:
-        if block["target_layers"] != target["num_hidden_layers"]:
-            raise CannotServe(
-                f"head {head_dir} was exported for a {block['target_layers']}-layer target, "
-                f"target {target_dir} has {target['num_hidden_layers']} layers"
-            )
+    if block and block["target_layers"] != target["num_hidden_layers"]:
+        raise CannotServe(
+            f"head {head_dir} was exported for a {block['target_layers']}-layer target, "
+            f"target {target_dir} has {target['num_hidden_layers']} layers"
+        )
+    # the plugin's block, or an eagle3-family export's native config, records the target
+    recorded = block["target"] if block else (config.get("mtp_train_head") or {}).get("target")
+    if recorded:
         try:
-            check_same_target(target_identity(target_dir), block["target"], f"head {head_dir}")
+            check_same_target(target_identity(target_dir), recorded, f"head {head_dir}")
         except ValueError as e:
             raise CannotServe(str(e)) from None
 
