@@ -13,9 +13,12 @@
 #         chosen, never MT-bench: selection.json lists them; the default lines are the first
 #         run's A / B / C;
 #         DS_HEADS lists the heads trained under DeepSpeed ZeRO-2 instead of one process;
-#   validation  of VAL_HEADS: MT-bench and vicuna-bench, both turns, VAL_NEW new tokens, batch 80, k = 1 … 5,
-#         TEMPS, per category, SSD hit rates (F = 1, 4, 8, 16); with TREES=head also EAGLE-2 trees
-#         of 4/16/32/64 nodes (depth 5) and Saguaro sampling (c = 0.5, 0.2) for that head.
+#   validation  of VAL_HEADS: MT-bench and vicuna-bench, both turns, and the long-input set
+#         (data/long_inputs.jsonl, LONG=true), VAL_NEW new tokens, batch 80, k = 1 … 5 (a dflash
+#         head: up to its block's masks), TEMPS, per category, SSD hit rates (F = 1, 4, 8, 16; not
+#         for dflash, which has no chained step to predict with); with TREES=head also EAGLE-2
+#         trees of 4/16/32/64 nodes (depth 5) and Saguaro sampling (c = 0.5, 0.2) for that head.
+#         PUBLISHED="name=dir ..." validates heads trained elsewhere the same way (a published one).
 # After experiments/gpu_machine.sh's set-up (the target converted, prompts and wheels in place).
 # Every stage resumes. Runs and write-ups: docs/results/push_run, push2_run, push3_run.
 #   (setsid nohup bash experiments/quality_push.sh > /root/push.log 2>&1 &)   # /root/push.done at the end
@@ -52,6 +55,8 @@ LR=${LR:-1.5e-3}                    # where a HEADS line does not set train.lr
 VAL_NEW=${VAL_NEW:-256}
 VAL_PROMPTS=${VAL_PROMPTS:-null}    # null: all 80
 VAL_HEADS=${VAL_HEADS-all}          # the heads validated on MT-bench and vicuna-bench ("all", or names)
+LONG=${LONG:-true}                  # also validate them on the long-input set
+PUBLISHED=${PUBLISHED:-}            # "name=head_dir ...": heads from elsewhere, validated too
 DS_HEADS=${DS_HEADS:-}              # heads trained under accelerate launch + DeepSpeed ZeRO-2 (one GPU)
 SEL_PROMPTS=${SEL_PROMPTS:-100}     # set-aside prompts validated at the end of training
 mkdir -p "$R/logs"
@@ -110,25 +115,48 @@ done <<< "$HEADS"
 wait
 python3 -m experiments.quality_smollm2 selection "$R"   # each head's set-aside τ: $R/selection.json
 
-validate() {  # head, report name, prompts file, overrides...
-  local head=$1 name=$2 prompts=$3
-  shift 3
+validate() {  # head name, head dir, report name, prompts file, overrides...
+  local head=$1 dir=$2 name=$3 prompts=$4
+  shift 4
   local report=$R/results/${head}_$name.json
   [ -f "$report" ] && return
-  python3 -m mtp_train.validate "${common[@]}" "validate.head=$R/heads/$head/head" \
+  python3 -m mtp_train.validate "${common[@]}" "validate.head=$dir" \
     "validate.eval_files=[$prompts]" "validate.report=$report" validate.batch_size=80 \
     "validate.max_new_tokens=$VAL_NEW" "validate.num_prompts=$VAL_PROMPTS" \
-    "validate.chain_lengths=[1,2,3,4,5]" "validate.temperatures=$TEMPS" \
-    "validate.ssd_fan_outs=[1,4,8,16]" "$@" > "$R/logs/validate_${head}_$name.log" 2>&1
+    "validate.temperatures=$TEMPS" "$@" > "$R/logs/validate_${head}_$name.log" 2>&1
+}
+drafts() {  # a head's overrides -> its variant and the chains (or blocks) it is validated with
+  local variant block
+  variant=$(tr ' ' '\n' <<< "$*" | grep '^model.variant=' || true)
+  if [ "$variant" = model.variant=dflash ]; then  # k up to the block's masks, at most 5; no SSD
+    block=$(tr ' ' '\n' <<< "$*" | grep '^model.block_size=' | cut -d= -f2 || true)
+    echo "$variant validate.chain_lengths=[$(seq -s, 1 $(( ${block:-8} - 1 < 5 ? ${block:-8} - 1 : 5 )))]"
+  else
+    echo "$variant validate.chain_lengths=[1,2,3,4,5] validate.ssd_fan_outs=[1,4,8,16]"
+  fi
+}
+benches() {  # head name, head dir, overrides...: each benchmark, side by side
+  local head=$1 dir=$2 settings
+  shift 2
+  settings=$(drafts "$@")
+  # shellcheck disable=SC2086  # the settings are words
+  validate "$head" "$dir" mt_bench data/mt_bench.jsonl $settings &
+  # shellcheck disable=SC2086
+  validate "$head" "$dir" vicuna_bench data/vicuna_bench.jsonl $settings &
+  # shellcheck disable=SC2086
+  [ "$LONG" != true ] || validate "$head" "$dir" long_inputs data/long_inputs.jsonl $settings &
 }
 log validate
 while read -r name steps overrides; do
   [[ "$VAL_HEADS" == all || " $VAL_HEADS " == *" $name "* ]] || continue
-  variant=$(tr ' ' '\n' <<< "$overrides" | grep '^model.variant=' || true)
-  validate "$name" mt_bench data/mt_bench.jsonl $variant &
-  validate "$name" vicuna_bench data/vicuna_bench.jsonl $variant &
+  # shellcheck disable=SC2086  # the overrides are words
+  benches "$name" "$R/heads/$name/head" $overrides
 done <<< "$HEADS"
+for pair in $PUBLISHED; do  # the kind is in the head's own config
+  benches "${pair%%=*}" "${pair#*=}"
+done
 wait
-[ -z "$TREES" ] || validate "$TREES" mt_bench_trees data/mt_bench.jsonl model.variant=rmsnorm-restored \
+[ -z "$TREES" ] || validate "$TREES" "$R/heads/$TREES/head" mt_bench_trees data/mt_bench.jsonl model.variant=rmsnorm-restored \
+  "validate.chain_lengths=[1,2,3,4,5]" "validate.ssd_fan_outs=[1,4,8,16]" \
   "validate.tree_budgets=[4,16,32,64]" validate.tree_depth=5 "validate.saguaro_factors=[0.5,0.2]"
 log done
