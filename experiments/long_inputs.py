@@ -36,7 +36,9 @@ def answers(record: dict) -> list[str]:
 
 def code_lines(text: str) -> int:
     """Lines that look like code: the test for a coding request that carries some."""
-    pattern = r"[;{}]\s*$|^\s*(def|class|import|return|for|if|#include|function|const|let|var|public|private)\b"
+    pattern = (
+        r"[;{}]\s*$|^\s*(def|class|import|return|for|if|#include|function|const|let|var|public|private)\b"
+    )
     return sum(1 for line in text.split("\n") if re.search(pattern, line))
 
 
@@ -79,7 +81,9 @@ def build(records: list[dict]) -> list[dict]:
     if len(coding) < PER_TASK:
         raise SystemExit(f"long_inputs: only {len(coding)} coding requests carry code, {PER_TASK} needed")
     for r in coding[:PER_TASK]:
-        prompt = f"Explain, step by step, what the code in this request does.\n\n{r['messages'][-1]['content']}"
+        prompt = (
+            f"Explain, step by step, what the code in this request does.\n\n{r['messages'][-1]['content']}"
+        )
         out.append(item("code", prompt, [r]))
     return [{"question_id": f"long-{i:03d}", **x} for i, x in enumerate(out)]
 

@@ -147,6 +147,7 @@ benches() {  # head name, head dir, overrides...: each benchmark, side by side
   [ "$LONG" != true ] || validate "$head" "$dir" long_inputs data/long_inputs.jsonl $settings &
 }
 log validate
+export OMP_NUM_THREADS=2  # up to three benchmarks per head side by side
 while read -r name steps overrides; do
   [[ "$VAL_HEADS" == all || " $VAL_HEADS " == *" $name "* ]] || continue
   # shellcheck disable=SC2086  # the overrides are words
