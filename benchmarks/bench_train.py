@@ -73,6 +73,7 @@ def throughput(args, acc: Accelerator) -> dict:
         unroll_steps=args.unroll,
         loss_chunk_logits=args.chunk_logits,
         precision=args.precision,
+        compile_loss=not args.eager_loss,
     )
     t = prepare_training(acc, head, tc)  # the trainer's own set-up: objective, AdamW, schedule
     dtype = t.param_dtype
@@ -174,6 +175,7 @@ def main() -> None:
     p.add_argument("--unroll", type=int, default=1, help="chained training steps (train.unroll_steps)")
     p.add_argument("--variant", default="rmsnorm-restored")
     p.add_argument("--precision", default="auto", help="train.precision (one process: bf16 on a GPU)")
+    p.add_argument("--eager-loss", action="store_true", help="train.compile_loss=false: the baseline")
     p.add_argument("--skip-loss-memory", action="store_true")
     p.add_argument("--profile", action="store_true", help="also record the top kernels by GPU time")
     args = p.parse_args()
@@ -185,7 +187,8 @@ def main() -> None:
             else "python -m benchmarks.bench_train"
         )
         + f" --shape {args.shape} --tokens {args.tokens} --unroll {args.unroll} --variant {args.variant}"
-        + ("" if acc.state.deepspeed_plugin else f" --precision {args.precision}"),
+        + ("" if acc.state.deepspeed_plugin else f" --precision {args.precision}")
+        + (" --eager-loss" if args.eager_loss else ""),
         "distributed": str(acc.distributed_type),
         **throughput(args, acc),
     }
@@ -199,7 +202,8 @@ def main() -> None:
         suffix = "" if args.unroll == 1 else f"_unroll{args.unroll}"
         variant = "" if args.variant == "rmsnorm-restored" else f"_{args.variant}"
         plain = "" if acc.state.deepspeed_plugin else f"_one_process_{args.precision}"
-        write_result(f"train_{args.shape}{variant}{suffix}{plain}", figures)
+        eager = "_eager_loss" if args.eager_loss else ""
+        write_result(f"train_{args.shape}{variant}{suffix}{plain}{eager}", figures)
 
 
 if __name__ == "__main__":

@@ -232,6 +232,9 @@ class TrainConfig:
     loss_chunk_logits: int = 2**27
     """Logit elements (tokens × vocab) per loss chunk: the loss' peak memory is set by this alone,
     not by the micro-batch's tokens or the vocabulary (2^27 fp32 ≈ 0.5 GiB per logits tensor)."""
+    compile_loss: bool = True
+    """On CUDA, fuse each loss chunk's elementwise work with torch.compile (`losses.chunk_function`):
+    the step at the Llama-3.1-8B shape is faster by what docs/benchmarks.md says. Ignored on CPU."""
     unroll_steps: int = 1
     """Train k chained steps, the head consuming its own output state after the first."""
     unroll_decay: float = 0.8

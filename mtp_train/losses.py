@@ -55,15 +55,32 @@ def _chunk(zc, tc, lm_head, w_p: float, w_h: float):
     return ce, sl1, top1, grad
 
 
+_compiled_chunk = None
+
+
+def chunk_function(compiled: bool):
+    """`_chunk`, or its torch.compile'd form: the matmuls stay cuBLAS', the elementwise work on the
+    [rows, vocab] logits (the fp32 casts, both softmaxes, the CE product, argmax, dlogits) fuses into
+    a few kernels that read the chunk once or twice instead of ~10 times (docs/benchmarks.md: that
+    work was 30 % of an 8B-shape step). Rows vary only in the last chunk: one recompile, dynamic."""
+    global _compiled_chunk
+    if not compiled:
+        return _chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_chunk)
+    return _compiled_chunk
+
+
 class _ChunkedDraftLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, target_state, lm_head, w_p: float, w_h: float, chunk: int):
+    def forward(ctx, z, target_state, lm_head, w_p: float, w_h: float, chunk: int, compiled: bool):
         work = torch.promote_types(z.dtype, torch.float32)
         grad = torch.empty(z.shape, dtype=work, device=z.device)
         sums = torch.zeros(3, dtype=work, device=z.device)
+        one_chunk = chunk_function(compiled)
         for start in range(0, z.shape[0], chunk):
             rows = slice(start, start + chunk)
-            ce, sl1, top1, grad[rows] = _chunk(z[rows].detach(), target_state[rows], lm_head, w_p, w_h)
+            ce, sl1, top1, grad[rows] = one_chunk(z[rows].detach(), target_state[rows], lm_head, w_p, w_h)
             sums += torch.stack([ce, sl1, top1.to(work)])
         ctx.save_for_backward(grad)
         ctx.z_dtype = z.dtype
@@ -74,15 +91,21 @@ class _ChunkedDraftLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_loss).to(ctx.z_dtype), None, None, None, None, None
+        return (grad * grad_loss).to(ctx.z_dtype), None, None, None, None, None, None
 
 
 def draft_loss(
-    z: torch.Tensor, target_state: torch.Tensor, lm_head: torch.Tensor, weights: LossWeights, chunk: int
+    z: torch.Tensor,
+    target_state: torch.Tensor,
+    lm_head: torch.Tensor,
+    weights: LossWeights,
+    chunk: int,
+    compiled: bool = False,
 ) -> LossSums:
-    """z [N, H] head output states at supervised positions; target_state [N, H] = final_norm(h_{i+1})."""
+    """z [N, H] head output states at supervised positions; target_state [N, H] = final_norm(h_{i+1});
+    `compiled`: each chunk through `chunk_function(True)` (CUDA)."""
     loss, sums = _ChunkedDraftLoss.apply(
-        z, target_state.detach(), lm_head.detach(), weights.w_p, weights.w_h, chunk
+        z, target_state.detach(), lm_head.detach(), weights.w_p, weights.w_h, chunk, compiled
     )
     return LossSums(loss, sums[0], sums[1], sums[2], count=z.shape[0])
 
@@ -105,9 +128,9 @@ class DraftObjective(torch.nn.Module):
     """The head plus its training loss in one forward, so that data-parallel wrappers (DDP,
     DeepSpeed ZeRO-3) see every parameter use inside the forward they hook."""
 
-    def __init__(self, head, weights: LossWeights, chunk_logits: int, decay: float):
+    def __init__(self, head, weights: LossWeights, chunk_logits: int, decay: float, compiled: bool = False):
         super().__init__()
-        self.head, self.decay = head, decay
+        self.head, self.decay, self.compiled = head, decay, compiled
         # EAGLE-3 drops the feature regression: its y need not live where the target's last layer does.
         self.weights = weights if head.spec.kind.feature_loss else LossWeights(weights.w_p, 0.0)
         # Rows per chunk from a logits budget: peak memory stays flat in tokens and in vocabulary.
@@ -123,7 +146,7 @@ class DraftObjective(torch.nn.Module):
             rows = batch.valid[j]
             z = head.output_state(ys[j][rows])
             target = head.final_norm(batch.target_hidden[batch.target_index[j][rows]])
-            sums = draft_loss(z, target, head.lm_head_weight, self.weights, self.chunk)
+            sums = draft_loss(z, target, head.lm_head_weight, self.weights, self.chunk, self.compiled)
             n = max(sums.count, 1)
             total = total + self.decay**j * sums.loss / n
             prefix = "" if j == 0 else f"step{j + 1}/"

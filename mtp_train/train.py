@@ -156,7 +156,8 @@ class Training:
 def prepare_training(acc: Accelerator, head: MTPHead, tc: TrainConfig) -> Training:
     """The objective, AdamW and its warmup-cosine schedule around `head`, prepared by accelerate."""
     steps, decay = trained_steps(head.spec, tc)
-    objective = DraftObjective(head, LossWeights(tc.w_p, tc.w_h), tc.loss_chunk_logits, decay)
+    compiled = tc.compile_loss and acc.device.type == "cuda"
+    objective = DraftObjective(head, LossWeights(tc.w_p, tc.w_h), tc.loss_chunk_logits, decay, compiled)
     optimizer = torch.optim.AdamW(
         head.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
     )
