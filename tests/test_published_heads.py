@@ -34,27 +34,39 @@ def test_published_files_are_the_cards(name):
     assert weights.stat().st_size <= 12 * 2**20
 
 
-@pytest.mark.skipif(find_spec("vllm") is None, reason=f"vLLM is not installed: {vllm_engine.INSTALL}")
-@pytest.mark.parametrize("name", sorted(CARD["heads"]))
-def test_published_head_serves_as_its_card_says(name, smollm2):
-    head, check = CARD["heads"][name], CARD["heads"][name]["cpu_check"]
-    directory = PUBLISHED / head["dir"]
+@pytest.fixture(scope="module")
+def served(smollm2):
+    """Our loop and vLLM on every published head: the first turns of the cards' MT-bench questions,
+    one vLLM child process for all the heads (one engine each: its start-up is most of the cost)."""
+    checks = {name: head["cpu_check"] for name, head in CARD["heads"].items()}
+    prompts, new = {c["prompts"] for c in checks.values()}, {c["max_new_tokens"] for c in checks.values()}
+    assert len(prompts) == len(new) == 1, "the cards' checks share their prompts and lengths"
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
-    prompts = load_prompts([REPO / "data" / "mt_bench.jsonl"], limit=check["prompts"])
-    ids = prompt_ids(tokenizer, [p.turns[0] for p in prompts])
+    questions = load_prompts([REPO / "data" / "mt_bench.jsonl"], limit=prompts.pop())
+    ids = prompt_ids(tokenizer, [p.turns[0] for p in questions])
     target = load_target(smollm2, "cpu", torch.float32)
     eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
-    k, new = check["k"], check["max_new_tokens"]
-    ours = speculative_generate(target, load_draft(directory, target), ids, new, eos, Chain(k))
-    tau = ours.stats.mean_accepted_len
+    new = new.pop()
+    ours = {
+        name: speculative_generate(
+            target, load_draft(PUBLISHED / CARD["heads"][name]["dir"], target), ids, new, eos, Chain(c["k"])
+        ).stats
+        for name, c in checks.items()
+    }
+    runs = [  # the published files, as they are
+        vllm_engine.Run(name, head=str(PUBLISHED / CARD["heads"][name]["dir"]), k=c["k"])
+        for name, c in checks.items()
+    ]
+    return ours, vllm_engine.run_vllm(smollm2, ids, new, eos, runs)
 
-    run = vllm_engine.Run(name, head=str(directory), k=k)  # the published files, as they are
-    served = vllm_engine.run_vllm(smollm2, ids, new, eos, [run])[name]
-    print(
-        json.dumps(
-            {"tau": tau, "ours": [ours.stats.tried, ours.stats.accepted], "vllm": served["num_drafts"]}
-        )
-    )
-    assert served["num_drafts"] == ours.stats.tried[0]
-    assert served["accepted_per_pos"] == list(ours.stats.accepted)
+
+@pytest.mark.skipif(find_spec("vllm") is None, reason=f"vLLM is not installed: {vllm_engine.INSTALL}")
+@pytest.mark.parametrize("name", sorted(CARD["heads"]))
+def test_published_head_serves_as_its_card_says(name, served):
+    check = CARD["heads"][name]["cpu_check"]
+    ours, engine = served[0][name], served[1][name]
+    tau = ours.mean_accepted_len
+    print(json.dumps({"tau": tau, "ours": [ours.tried, ours.accepted], "vllm": engine["num_drafts"]}))
+    assert engine["num_drafts"] == ours.tried[0]
+    assert engine["accepted_per_pos"] == list(ours.accepted)
     assert tau == pytest.approx(check["tau"], abs=check["tolerance"])
