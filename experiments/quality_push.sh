@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # #22's levers on SmolLM2-135M-Instruct, one GPU, each stage through the project's entry points:
 #   data  the target answers the shared chat prompts (N of them; the six-head experiment's 100
-#         set-aside prompts kept out) and, with GSM8K=path, the GSM8K questions, up to NEW new
-#         tokens per turn, every turn, greedy; the store written from the generation's own states
-#         (regenerate.capture; precompute as the fallback), with EAGLE-3's aux states (AUX=true);
+#         set-aside prompts and the long-input set's records kept out) and, with GSM8K=path, the
+#         GSM8K questions, up to NEW new tokens per turn, every turn, greedy; the store written from
+#         the generation's own states (regenerate.capture; precompute as the fallback), with
+#         EAGLE-3's aux states (AUX=true); SAMPLES more answers per prompt at SAMPLE_T beside the
+#         greedy ones ($R/sampled_<s>.jsonl); ANSWERS= an earlier machine's regenerated.jsonl.gz
+#         instead of answering again;
 #   heads one line of HEADS each: "name steps overrides...", trained side by side on the one GPU
 #         (a 135M target's head leaves most of an H200 idle), all with 32k-token micro-batches,
 #         warm-up 30, lr LR (1.5e-3: chosen on the set-aside prompts in the six-head experiment)
@@ -49,6 +52,9 @@ B 1000 model.variant=rmsnorm-restored train.unroll_steps=4
 C 1000 model.variant=eagle3 train.unroll_steps=4"}
 NEW=${NEW:-1024}                    # new tokens per turn (regeneration)
 STOP_REPEAT=${STOP_REPEAT:-0}       # regenerate.stop_repeat: stop answers at a repeated N-gram (0: off)
+SAMPLES=${SAMPLES:-0}               # also this many sampled answers per prompt: $R/sampled_<s>.jsonl, seed s
+SAMPLE_T=${SAMPLE_T:-0.8}           # at this temperature (HEADS lines name the files they train on)
+ANSWERS=${ANSWERS:-}                # a regenerated.jsonl.gz from an earlier machine: resumed, not redone
 BATCH=${BATCH:-512}                 # regeneration batch
 TOKENS=${TOKENS:-32768}             # per micro-batch
 LR=${LR:-1.5e-3}                    # where a HEADS line does not set train.lr
@@ -70,6 +76,11 @@ prompts=$R/prompts/chat_train.jsonl
 
 data=("data.train_files=[$R/regenerated.jsonl]" data.max_seq_len=2048 "precompute.aux=$AUX")
 store=$R/store
+# An earlier machine's answers (its $R/regenerated.jsonl.gz): regenerate finds every id answered and
+# only forwards them again for the store (about a minute instead of five).
+if [ -n "$ANSWERS" ] && [ ! -f "$R/regenerated.jsonl" ]; then
+  gzip -dc "$ANSWERS" > "$R/regenerated.jsonl"
+fi
 if [ ! -f "$store/manifest.json" ]; then
   log regenerate
   regen=("regenerate.prompts=[$prompts]" "regenerate.limit=$N"
@@ -89,6 +100,17 @@ if [ ! -f "$store/manifest.json" ]; then
   fi
 fi
 [ -f "$R/store_precomputed/manifest.json" ] && store=$R/store_precomputed
+# a copy small enough to carry to the next machine (ANSWERS=)
+[ -f "$R/regenerated.jsonl.gz" ] || gzip -c "$R/regenerated.jsonl" > "$R/regenerated.jsonl.gz"
+for s in $(seq 1 "$SAMPLES"); do  # several sampled answers per prompt beside the greedy one
+  [ -f "$R/sampled_$s.done" ] && continue
+  log "sampled answers $s (T = $SAMPLE_T)"
+  python3 -m mtp_train.regenerate "${common[@]}" "regenerate.prompts=[$prompts]" "regenerate.limit=$N" \
+    "regenerate.max_new_tokens=$NEW" regenerate.max_prompt_tokens=1024 "regenerate.batch_size=$BATCH" \
+    "regenerate.stop_repeat=$STOP_REPEAT" "regenerate.temperature=$SAMPLE_T" "regenerate.seed=$s" \
+    "regenerate.output=$R/sampled_$s.jsonl" > "$R/logs/sampled_$s.log" 2>&1
+  touch "$R/sampled_$s.done"
+done
 
 train() {  # name, steps, overrides...
   local name=$1 steps=$2 lr=()
