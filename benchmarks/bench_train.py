@@ -151,15 +151,15 @@ def profile(one_step, steps: int = 3, top: int = 25) -> dict:
     }
 
 
-def loss_memory(hidden: int, vocab: int, tokens: int, chunk: int) -> float:
-    """Peak GiB above the inputs for forward + backward of the chunked loss."""
+def loss_memory(hidden: int, vocab: int, tokens: int, chunk: int, compiled: bool) -> float:
+    """Peak GiB above the inputs for forward + backward of the chunked loss (as the trainer runs it)."""
     z = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     target = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     lm_head = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    draft_loss(z, target, lm_head, LossWeights(), chunk).loss.backward()
+    draft_loss(z, target, lm_head, LossWeights(), chunk, compiled).loss.backward()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
@@ -195,7 +195,9 @@ def main() -> None:
     h = shape(args.shape).hidden_size
     for vocab in () if args.skip_loss_memory else (49152, 128256):
         rows = max(1, args.chunk_logits // vocab)
-        figures[f"loss_peak_gib_vocab_{vocab}"] = loss_memory(h, vocab, args.tokens, rows)
+        figures[f"loss_peak_gib_vocab_{vocab}"] = loss_memory(
+            h, vocab, args.tokens, rows, not args.eager_loss
+        )
     if not args.skip_loss_memory:
         figures["loss_peak_gib_vocab_128k_unchunked_estimate"] = args.tokens * 128256 * 4 * 3 / 2**30
     if acc.is_main_process:

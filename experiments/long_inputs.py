@@ -9,8 +9,9 @@ Four tasks, 20 prompts each (MT-bench's format: `question_id`, `category`, `turn
     qa         four Open-Assistant answers as numbered passages and the question one of them answers;
     translate  one Open-Assistant answer to translate into French;
     code       an arena-hard coding request that carries code, whose code is to be explained.
-Each shared record is used once. Training runs drop the records named in `source_ids`
-(`experiments.quality_smollm2 split-prompts`), so no head trains on a prompt of this set.
+Each shared record is used once. Training runs drop the records named in `source_ids` and every
+record opening with the same question (`held_out`, `experiments.quality_smollm2 split-prompts`), so
+no head trains on a prompt of this set or on a target answer to one of its questions.
 """
 
 from __future__ import annotations
@@ -98,8 +99,22 @@ def item(task: str, prompt: str, sources: list[dict]) -> dict:
 
 
 def source_ids(path: Path) -> set[str]:
-    """The shared records a long-input set uses (kept out of training)."""
+    """The shared records a long-input set uses."""
     return {i for r in read(path) for i in r["source_ids"]}
+
+
+def first_question(record: dict) -> str | None:
+    users = [m["content"].strip() for m in record.get("messages", []) if m.get("role") == "user"]
+    return users[0] if users else None
+
+
+def held_out(records: list[dict], path: Path) -> list[bool]:
+    """Which of `records` training must leave out for the set at `path` to stay unseen: the records it
+    uses and every record that opens with the same question (Open-Assistant's conversation trees
+    share their first question across branches, each branch a record of its own)."""
+    ids = source_ids(path)
+    questions = {first_question(r) for r in records if r.get("id") in ids} - {None}
+    return [r.get("id") in ids or first_question(r) in questions for r in records]
 
 
 def main(argv: list[str]) -> None:

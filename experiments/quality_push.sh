@@ -101,7 +101,9 @@ if [ ! -f "$store/manifest.json" ]; then
 fi
 [ -f "$R/store_precomputed/manifest.json" ] && store=$R/store_precomputed
 # a copy small enough to carry to the next machine (ANSWERS=)
-[ -f "$R/regenerated.jsonl.gz" ] || gzip -c "$R/regenerated.jsonl" > "$R/regenerated.jsonl.gz"
+if [ ! -f "$R/regenerated.jsonl.gz" ]; then  # whole or absent: a kill mid-write leaves only the .tmp
+  gzip -c "$R/regenerated.jsonl" > "$R/regenerated.jsonl.gz.tmp" && mv "$R/regenerated.jsonl.gz.tmp" "$R/regenerated.jsonl.gz"
+fi
 for s in $(seq 1 "$SAMPLES"); do  # several sampled answers per prompt beside the greedy one
   [ -f "$R/sampled_$s.done" ] && continue
   log "sampled answers $s (T = $SAMPLE_T)"
@@ -175,8 +177,11 @@ while read -r name steps overrides; do
   # shellcheck disable=SC2086  # the overrides are words
   benches "$name" "$R/heads/$name/head" $overrides
 done <<< "$HEADS"
-for pair in $PUBLISHED; do  # the kind is in the head's own config
-  benches "${pair%%=*}" "${pair#*=}"
+for pair in $PUBLISHED; do  # its kind and block from the head's own config (what drafts() reads)
+  dir=${pair#*=}
+  # shellcheck disable=SC2046  # the settings are words
+  benches "${pair%%=*}" "$dir" $(python3 -c 'import sys; from inference_ref.head_files import read_native_config
+c = read_native_config(sys.argv[1]); print("model.variant=" + c["variant"], "model.block_size=%d" % c.get("block_size", 8))' "$dir")
 done
 wait
 [ -z "$TREES" ] || validate "$TREES" "$R/heads/$TREES/head" mt_bench_trees data/mt_bench.jsonl model.variant=rmsnorm-restored \

@@ -169,15 +169,15 @@ def _reap(running, failed: list[str], load: list[float]):
 
 def split_prompts(chat: Path, run_dir: Path, plan: Plan) -> tuple[Path, Path]:
     """A seeded sample of chat prompts for choosing learning rates; the rest are trained on, less
-    the records whose text the long-input set uses (`experiments.long_inputs`)."""
+    the records the long-input set uses or shares a question with (`long_inputs.held_out`)."""
     train, selection = run_dir / "prompts/chat_train.jsonl", run_dir / "prompts/selection.jsonl"
     if not selection.exists():
         # split on "\n" only: splitlines() would also cut at U+2028 inside a JSON string
         lines = [line for line in chat.read_text(encoding="utf-8").split("\n") if line.strip()]
         chosen = set(random.Random(plan.seed).sample(range(len(lines)), plan.selection_prompts))
-        held = long_inputs.source_ids(LONG_INPUTS)
+        held = long_inputs.held_out([json.loads(x) for x in lines], LONG_INPUTS)
         train.parent.mkdir(parents=True, exist_ok=True)
-        kept = [x for i, x in enumerate(lines) if i not in chosen and json.loads(x)["id"] not in held]
+        kept = [x for i, x in enumerate(lines) if i not in chosen and not held[i]]
         train.write_text("".join(f"{x}\n" for x in kept))
         selection.write_text("".join(f"{lines[i]}\n" for i in sorted(chosen)))
     return train, selection
