@@ -1,7 +1,7 @@
 # What ran on one H200, 2026-12-03 (issues #39 item 3, #40 item 2, #36 item 2), commit d898f26: the
 # four-kind comparison's new heads and the long-input set. The GGUF parts, the prompt files and the wheels arrived as
 # ../shared/gpu/README.md says; the working tree was copied to /root/repo and run from there.
-# Data S regenerated (every shared chat prompt but the 100 set-aside ones and the 139 records the
+# Data S regenerated (every shared chat prompt but the 100 set-aside ones and the 139 further records the
 # long-input set is made from, plus GSM8K; ≤ 256 new tokens per turn, greedy). Four heads side by
 # side, each on the budget rule of docs/results.md (32,768-token micro-batches, warm-up 30, cosine
 # to 0.1 × lr, lr 1.5e-3, one decoder layer), states online (the aux states' store would not fit
