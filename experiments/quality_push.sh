@@ -81,11 +81,11 @@ store=$R/store
 if [ -n "$ANSWERS" ] && [ ! -f "$R/regenerated.jsonl" ]; then
   gzip -dc "$ANSWERS" > "$R/regenerated.jsonl"
 fi
+regen=("regenerate.prompts=[$prompts]" "regenerate.limit=$N"
+       "regenerate.max_new_tokens=$NEW" regenerate.max_prompt_tokens=1024 "regenerate.batch_size=$BATCH"
+       "regenerate.stop_repeat=$STOP_REPEAT")
 if [ ! -f "$store/manifest.json" ]; then
   log regenerate
-  regen=("regenerate.prompts=[$prompts]" "regenerate.limit=$N"
-         "regenerate.max_new_tokens=$NEW" regenerate.max_prompt_tokens=1024 "regenerate.batch_size=$BATCH"
-         "regenerate.stop_repeat=$STOP_REPEAT")
   start=$(date +%s)
   if python3 -m mtp_train.regenerate "${common[@]}" "${regen[@]}" "${data[@]}" regenerate.capture=true \
       > "$R/logs/regenerate.log" 2>&1; then
@@ -107,10 +107,8 @@ fi
 for s in $(seq 1 "$SAMPLES"); do  # several sampled answers per prompt beside the greedy one
   [ -f "$R/sampled_$s.done" ] && continue
   log "sampled answers $s (T = $SAMPLE_T)"
-  python3 -m mtp_train.regenerate "${common[@]}" "regenerate.prompts=[$prompts]" "regenerate.limit=$N" \
-    "regenerate.max_new_tokens=$NEW" regenerate.max_prompt_tokens=1024 "regenerate.batch_size=$BATCH" \
-    "regenerate.stop_repeat=$STOP_REPEAT" "regenerate.temperature=$SAMPLE_T" "regenerate.seed=$s" \
-    "regenerate.output=$R/sampled_$s.jsonl" > "$R/logs/sampled_$s.log" 2>&1
+  python3 -m mtp_train.regenerate "${common[@]}" "${regen[@]}" "regenerate.temperature=$SAMPLE_T" \
+    "regenerate.seed=$s" "regenerate.output=$R/sampled_$s.jsonl" > "$R/logs/sampled_$s.log" 2>&1
   touch "$R/sampled_$s.done"
 done
 
