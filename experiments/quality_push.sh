@@ -18,7 +18,7 @@
 #         DS_HEADS lists the heads trained under DeepSpeed ZeRO-2 instead of one process;
 #   validation  of VAL_HEADS: MT-bench and vicuna-bench, both turns, and the long-input set
 #         (data/long_inputs.jsonl, LONG=true), VAL_NEW new tokens, batch 80, k = 1 … 5 (a dflash
-#         head: up to its block's masks), TEMPS, per category, SSD hit rates (F = 1, 4, 8, 16; not
+#         head: up to its block's masks), TEMPS, per category, SSD hit rates (SSD: F = 1, 4, 8, 16; not
 #         for dflash, which has no chained step to predict with); with TREES=head also EAGLE-2
 #         trees of 4/16/32/64 nodes (depth 5) and Saguaro sampling (c = 0.5, 0.2) for that head.
 #         PUBLISHED="name=dir ..." validates heads trained elsewhere the same way (a published one).
@@ -63,6 +63,7 @@ VAL_PROMPTS=${VAL_PROMPTS:-null}    # null: all 80
 VAL_HEADS=${VAL_HEADS-all}          # the heads validated on MT-bench and vicuna-bench ("all", or names)
 LONG=${LONG:-true}                  # also validate them on the long-input set
 PUBLISHED=${PUBLISHED:-}            # "name=head_dir ...": heads from elsewhere, validated too
+SSD=${SSD-[1,4,8,16]}               # SSD fan-outs validated with chained heads (empty: no SSD pass)
 DS_HEADS=${DS_HEADS:-}              # heads trained under accelerate launch + DeepSpeed ZeRO-2 (one GPU)
 SEL_PROMPTS=${SEL_PROMPTS:-100}     # set-aside prompts validated at the end of training
 mkdir -p "$R/logs"
@@ -154,7 +155,7 @@ drafts() {  # a head's overrides -> its variant and the chains (or blocks) it is
     block=$(tr ' ' '\n' <<< "$*" | grep '^model.block_size=' | cut -d= -f2 || true)
     echo "$variant validate.chain_lengths=[$(seq -s, 1 $(( ${block:-8} - 1 < 5 ? ${block:-8} - 1 : 5 )))]"
   else
-    echo "$variant validate.chain_lengths=[1,2,3,4,5] validate.ssd_fan_outs=[1,4,8,16]"
+    echo "$variant validate.chain_lengths=[1,2,3,4,5]${SSD:+ validate.ssd_fan_outs=$SSD}"
   fi
 }
 benches() {  # head name, head dir, overrides...: each benchmark, side by side

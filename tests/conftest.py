@@ -28,3 +28,14 @@ def smollm2():
 def tiny_target(smollm2, tmp_path_factory):
     """A 2-layer random Llama with SmolLM2's tokenizer and chat template."""
     return write_random_target(tmp_path_factory.mktemp("tiny_target"), smollm2, seed=0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_vllm_child():
+    """The session's vLLM engines all run in one kept child process (`vllm_engine.keep_child`):
+    vLLM's import (~15 s on 2 cores) is paid once, not by each of the four modules that serve."""
+    from mtp_train.serving import vllm_engine
+
+    vllm_engine.keep_child(True)
+    yield
+    vllm_engine.keep_child(False)

@@ -233,11 +233,12 @@ def test_command_line_with_two_processes(reference, tiny_target, chat_file, tmp_
     assert_same_store(store, reference)
 
 
-@pytest.mark.parametrize("processes", [2, 4])
-def test_command_line_with_tensor_parallel_groups(processes, reference, tiny_target, chat_file, tmp_path):
-    """`model.tp_size=2` over 2 processes (one data-parallel rank whose target is sharded two ways)
-    and over 4 (two such groups splitting the data): every rank forwards, each group's leader
-    writes its shards; the store is the single-process one."""
+def test_command_line_with_tensor_parallel_groups(reference, tiny_target, chat_file, tmp_path):
+    """`model.tp_size=2` over 4 processes (two data-parallel groups splitting the data, each target
+    sharded two ways; one group alone is the case of test_online's and test_tensor_parallel's
+    two-process runs): every rank forwards, each group's leader writes its shards; the store is
+    the single-process one."""
+    processes = 4
     overrides = [
         "model=tiny_random",
         f"model.target={tiny_target}",

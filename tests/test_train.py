@@ -70,7 +70,7 @@ def test_training_on_smollm2_lowers_loss_and_raises_top1(smollm2, tmp_path):
         "data.max_samples=40",
         "data.max_seq_len=192",
         "train.steps=24",
-        "train.tokens_per_micro_batch=768",
+        "train.tokens_per_micro_batch=384",
         "train.warmup_steps=4",
         "train.lr=3e-3",
         "train.save_every=0",

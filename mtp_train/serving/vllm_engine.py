@@ -248,18 +248,14 @@ def run_vllm(
                 }
             )
         )
-        log = Path(tempfile.gettempdir()) / f"vllm_engine_{os.getpid()}_{int(time.time())}.log"
-        with open(log, "w") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "mtp_train.serving.vllm_engine", str(request), str(result)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **child_env(engine)},
-                # not the caller's directory: in a source checkout a stale `mtp_train.egg-info` there
-                # shadows the installed metadata, and with it the plugin's entry point
-                cwd=tmp,
-            )
-            returncode = _follow(proc, log, timeout)
+        if _kept is None:
+            log = Path(tempfile.gettempdir()) / f"vllm_engine_{os.getpid()}_{int(time.time())}.log"
+            with open(log, "w") as out:
+                proc = _spawn([str(request), str(result)], engine, out, tmp)
+                returncode = _follow(proc, log, timeout)
+        else:
+            child = _kept_child(engine)
+            log, returncode = child.log, child.run(request, result, timeout)
         if returncode != 0 or not result.exists():
             tail = log.read_text()[-4000:]
             raise RuntimeError(f"vLLM child failed (exit {returncode}); log {log}:\n{tail}")
@@ -268,14 +264,85 @@ def run_vllm(
     return answer
 
 
+def _spawn(args: list[str], engine: Engine, out, cwd: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "mtp_train.serving.vllm_engine", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **child_env(engine)},
+        # not the caller's directory: in a source checkout a stale `mtp_train.egg-info` there
+        # shadows the installed metadata, and with it the plugin's entry point
+        cwd=cwd,
+        **popen,
+    )
+
+
+# ------------------------------------------------------------------- one child kept between calls
+
+_kept: dict | None = None
+"""None: a fresh child per `run_vllm` call. Otherwise (`keep_child`) the children kept, one per
+engine environment (`child_env`)."""
+
+
+def keep_child(enabled: bool = True) -> None:
+    """Keep one child process between `run_vllm` calls instead of starting one per call: vLLM's
+    import (~15 s on 2 cores) is then paid once per session (the test suite's four callers). Each
+    call still starts and shuts down its own engines. Off: the kept children exit."""
+    global _kept
+    for child in (_kept or {}).values():
+        child.close()
+    _kept = {} if enabled else None
+
+
+class _KeptChild:
+    """`python -m mtp_train.serving.vllm_engine --serve`: a request and a result path per line on
+    its stdin, a `FINISHED` progress line after each result is written."""
+
+    def __init__(self, engine: Engine):
+        self.dir = tempfile.TemporaryDirectory(prefix="vllm_engine_kept_")
+        self.log = Path(tempfile.gettempdir()) / f"vllm_engine_{os.getpid()}_{int(time.time())}_kept.log"
+        with open(self.log, "w") as out:
+            self.proc = _spawn(["--serve"], engine, out, self.dir.name, stdin=subprocess.PIPE, text=True)
+
+    def run(self, request: Path, result: Path, timeout: float) -> int:
+        start = self.log.stat().st_size  # this call's lines only
+        self.proc.stdin.write(f"{request}\t{result}\n")
+        self.proc.stdin.flush()
+        return _follow(self.proc, self.log, timeout, until=f"{FINISHED}{result}", start=start)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # end of requests: the child returns
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.dir.cleanup()
+
+
+def _kept_child(engine: Engine) -> _KeptChild:
+    key = json.dumps(child_env(engine), sort_keys=True)
+    child = _kept.get(key)
+    if child is None or child.proc.poll() is not None:  # none yet, or it died with a failed call
+        child = _kept[key] = _KeptChild(engine)
+    return child
+
+
 PROGRESS = "[vllm] "
 """The child's progress lines (engine started, run done), echoed by the parent as they come."""
+FINISHED = PROGRESS + "finished "
+"""A kept child's line after each request's result is written (followed by the result's path)."""
 
 
-def _follow(proc: subprocess.Popen, log: Path, timeout: float) -> int:
-    """Wait for the child, printing its progress lines; kill it past `timeout` seconds."""
+def _follow(
+    proc: subprocess.Popen, log: Path, timeout: float, until: str | None = None, start: int = 0
+) -> int:
+    """Wait for the child (or, with `until`, for that line from it: 0), printing its progress lines
+    from byte `start` of its log on; kill it past `timeout` seconds."""
     deadline, partial = time.monotonic() + timeout, ""
     with open(log, errors="replace") as reader:  # read on from where it was: the log grows long
+        reader.seek(start)
         while True:
             try:
                 returncode = proc.wait(timeout=2)
@@ -283,9 +350,13 @@ def _follow(proc: subprocess.Popen, log: Path, timeout: float) -> int:
                 returncode = None
             *lines, partial = (partial + reader.read()).split("\n")  # a line being written waits
             for line in lines:
+                if line == until:
+                    return 0
                 if line.startswith(PROGRESS):
                     print(line, flush=True)
             if returncode is not None:
+                if until is not None and returncode == 0:  # a kept child exits only when told to
+                    return -1
                 return returncode
             if time.monotonic() > deadline:
                 proc.kill()
@@ -473,10 +544,16 @@ def child(request_file: str, result_file: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m mtp_train.serving.vllm_engine REQUEST.json RESULT.json")
+    if len(sys.argv) != 3 and sys.argv[1:] != ["--serve"]:
+        sys.exit("usage: python -m mtp_train.serving.vllm_engine REQUEST.json RESULT.json | --serve")
     try:
         check_vllm()
     except VLLMMissing as e:
         sys.exit(str(e))
-    child(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--serve":  # kept between calls (`keep_child`): one request per line
+        for line in sys.stdin:
+            request_file, result_file = line.rstrip("\n").split("\t")
+            child(request_file, result_file)
+            print(f"{FINISHED}{result_file}", flush=True)
+    else:
+        child(sys.argv[1], sys.argv[2])
