@@ -88,12 +88,22 @@ class StoreStates:
 
 
 class OnlineStates:
-    """The target, run in the training job: one packed forward per micro-batch."""
+    """The target, run in the training job: one packed forward per micro-batch. `sharded`: the
+    target is split over a tensor-parallel group, whose forwards run collectives (the training
+    loop then keeps them in its own thread)."""
 
     kind = "online"
 
-    def __init__(self, data: list[Sample], model, capture: tuple[int, ...], hidden_dtype: str, data_sha: str):
-        self.data, self.model, self.capture = data, model, capture
+    def __init__(
+        self,
+        data: list[Sample],
+        model,
+        capture: tuple[int, ...],
+        hidden_dtype: str,
+        data_sha: str,
+        sharded: bool = False,
+    ):
+        self.data, self.model, self.capture, self.sharded = data, model, capture, sharded
         self.hidden_dtype, self.data_sha = hidden_dtype, data_sha
         self.lengths = np.array([len(s.input_ids) for s in data], dtype=np.int64)
         self.on_device = model.norm.weight.device.type == "cuda"

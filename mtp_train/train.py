@@ -111,7 +111,9 @@ def micro_batches(
     g = (step · accum + micro) · dp_size + dp_rank: the ranks of a tensor-parallel group (online
     states) take the same ones, which they forward together. From a store they are built on two
     background threads (reads, alignment, pinned host memory) while the GPU runs the current step;
-    online in this thread, in step with the group's collectives."""
+    online with the target whole, the next one's forward on one background thread (the GPU queues
+    it beside the step: ~40 % of a SmolLM2 head's online step was spent waiting for its data);
+    online with the target sharded, in this thread, in step with the group's collectives."""
     tc = t.tc
     plan = MicroBatchPlan(states.lengths, tc.tokens_per_micro_batch, tc.seed)
     pin = device.type == "cuda" and not states.on_device
@@ -122,8 +124,10 @@ def micro_batches(
 
     first = start * tc.grad_accum
     keys = (m * t.dp_size + t.dp_rank for m in range(first, tc.steps * tc.grad_accum))
-    if states.kind == "online":
+    if states.kind == "online" and states.sharded:  # the forward's collectives stay in step with the group's
         return map(load, keys)
+    if states.kind == "online":  # the next micro-batch's forward on one thread while this one trains
+        return prefetched(load, keys, depth=1, workers=1)
     # two builders: one did not keep up with a 65 ms step on one host (docs/benchmarks.md)
     return prefetched(load, keys, depth=3, workers=2)
 
@@ -339,7 +343,8 @@ def open_states(cfg: RunConfig, run: Run, mode: str, data, aux_layers: tuple[int
     if run.ranks is not None and run.ranks.main:
         r = run.ranks
         print(f"online: the target on {r.tp_size} process(es) per copy, {r.dp_size} data-parallel copies")
-    return OnlineStates(data, model, aux_layers, cfg.precompute.hidden_dtype, data_hash(data))
+    sharded = run.tp_mesh is not None
+    return OnlineStates(data, model, aux_layers, cfg.precompute.hidden_dtype, data_hash(data), sharded)
 
 
 def describe_data(states: TrainingStates, tc: TrainConfig) -> str:
