@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -104,6 +105,8 @@ class OnlineStates:
         sharded: bool = False,
     ):
         self.data, self.model, self.capture, self.sharded = data, model, capture, sharded
+        self.lock = threading.Lock()
+        """Held by each forward, and by the training loop while it validates."""
         self.hidden_dtype, self.data_sha = hidden_dtype, data_sha
         self.lengths = np.array([len(s.input_ids) for s in data], dtype=np.int64)
         self.on_device = model.norm.weight.device.type == "cuda"
@@ -112,6 +115,10 @@ class OnlineStates:
     @torch.inference_mode()
     def samples(self, ids: list[int]) -> list[Item]:
         """The samples' states from one packed forward, checked finite and rounded as stored."""
+        with self.lock:  # not while the training loop validates (its CUDA graph capture)
+            return self._samples(ids)
+
+    def _samples(self, ids: list[int]) -> list[Item]:
         from mtp_train.precompute import check_finite_states
         from mtp_train.validate.parity import round_as_stored
 
@@ -129,7 +136,7 @@ class OnlineStates:
             mask = torch.tensor(s.loss_mask, dtype=torch.bool)
             out.append((torch.tensor(s.input_ids), mask, h.clone()))
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)  # this device: a background thread's current one is GPU 0
         self.forward_s += time.perf_counter() - started
         self.tokens += sum(lengths)
         return out

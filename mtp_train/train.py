@@ -15,6 +15,7 @@ from mtp_train.cli import answer_help_first
 
 answer_help_first(__name__, __file__)  # before torch & co.: they take seconds to import
 
+import contextlib
 import json
 import math
 import time
@@ -112,7 +113,8 @@ def micro_batches(
     states) take the same ones, which they forward together. From a store they are built on two
     background threads (reads, alignment, pinned host memory) while the GPU runs the current step;
     online with the target whole, the next one's forward on one background thread (the GPU queues
-    it beside the step: ~40 % of a SmolLM2 head's online step was spent waiting for its data);
+    it beside the step; a SmolLM2 head sharing an H200 with three others had waited 40 % of its
+    time for its data);
     online with the target sharded, in this thread, in step with the group's collectives."""
     tc = t.tc
     plan = MicroBatchPlan(states.lengths, tc.tokens_per_micro_batch, tc.seed)
@@ -437,7 +439,7 @@ def _train(cfg: RunConfig) -> Path:
     t, run, states, start = set_up(cfg)
     batches = micro_batches(t, states, start, t.acc.device)
     progress = Progress(t.acc, cfg, total_steps=tc.steps, start_step=start)
-    hooks = Hooks(cfg, t, run)
+    hooks = Hooks(cfg, t, run, getattr(states, "lock", None))
     dead = DeadHeadWatch(tc)
     for step in range(start, tc.steps):
         stats, grad_norm, waited = train_step(t, batches)
@@ -463,8 +465,11 @@ def write_summary(path: Path, steps: int, figures: dict) -> None:
 class Hooks:
     """What runs between optimizer steps: checkpoints, intermediate exports and in-job validation."""
 
-    def __init__(self, cfg: RunConfig, t: Training, run: Run):
+    def __init__(self, cfg: RunConfig, t: Training, run: Run, states_lock=None):
         self.cfg, self.t, self.run = cfg, t, run
+        # online states: the next micro-batch's forward waits while the head is validated (a CUDA
+        # graph capture must not see another thread's work)
+        self.states_lock = states_lock or contextlib.nullcontext()
         self.out_dir = Path(cfg.train.out_dir)
         self.validator: DuringTraining | None = (
             None  # built at the first validation (it loads the target once)
@@ -484,7 +489,8 @@ class Hooks:
             head_dir = export_head(t.acc, t.objective, self.out_dir / "head-latest", identity, self.cfg, done)
             rank, world = t.acc.process_index, t.acc.num_processes
             self.validator = self.validator or DuringTraining(self.cfg, self.run, rank, world)
-            figures = validate_in_job(t.acc, self.validator, head_dir, spec)
+            with self.states_lock:
+                figures = validate_in_job(t.acc, self.validator, head_dir, spec)
             if t.acc.is_main_process:
                 progress.log_validation(done, figures)
 

@@ -232,12 +232,14 @@ def test_a_wrong_export_fails_the_comparison(served):
     assert (wrong["num_drafts"], wrong["accepted_per_pos"]) != (ours["tried"][0], ours["accepted"])
 
 
-def test_validation_through_vllm_reports_the_engine_gap(served, capsys):
+def test_validation_through_vllm_reports_the_engine_gap(served, capsys, monkeypatch):
     """`validate.engine=vllm`: both turns of two MT-bench prompts (turn 2 with the target's own
     answer as context), greedy and T=1, through our loop and vLLM; greedy counts equal, the answers
-    identical to vLLM's target alone, and the sampled τ within sampling noise of ours."""
+    identical to vLLM's target alone, and the sampled τ within sampling noise of ours. In a child
+    of its own, as outside the tests (not the session's kept one)."""
     from mtp_train.validate import run_validation, summary
 
+    monkeypatch.setattr(vllm_engine, "_kept", None)
     base = served["base"]
     cfg = pipeline_config(
         base,

@@ -286,8 +286,8 @@ engine environment (`child_env`)."""
 
 def keep_child(enabled: bool = True) -> None:
     """Keep one child process between `run_vllm` calls instead of starting one per call: vLLM's
-    import (~15 s on 2 cores) is then paid once per session (the test suite's four callers). Each
-    call still starts and shuts down its own engines. Off: the kept children exit."""
+    import (~15 s on 2 cores) is then paid once per session (the test suite's callers, in two
+    modules). Each call still starts and shuts down its own engines. Off: the kept children exit."""
     global _kept
     for child in (_kept or {}).values():
         child.close()
@@ -306,13 +306,19 @@ class _KeptChild:
 
     def run(self, request: Path, result: Path, timeout: float) -> int:
         start = self.log.stat().st_size  # this call's lines only
-        self.proc.stdin.write(f"{request}\t{result}\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(f"{request}\t{result}\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it died since it was last asked: the log says why
+            return self.proc.wait() or -1
         return _follow(self.proc, self.log, timeout, until=f"{FINISHED}{result}", start=start)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        try:
             self.proc.stdin.close()  # end of requests: the child returns
+        except BrokenPipeError:
+            pass
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -325,6 +331,8 @@ def _kept_child(engine: Engine) -> _KeptChild:
     key = json.dumps(child_env(engine), sort_keys=True)
     child = _kept.get(key)
     if child is None or child.proc.poll() is not None:  # none yet, or it died with a failed call
+        if child is not None:
+            child.close()
         child = _kept[key] = _KeptChild(engine)
     return child
 
@@ -350,7 +358,7 @@ def _follow(
                 returncode = None
             *lines, partial = (partial + reader.read()).split("\n")  # a line being written waits
             for line in lines:
-                if line == until:
+                if until is not None and line.endswith(until):  # (after a progress bar's "\r")
                     return 0
                 if line.startswith(PROGRESS):
                     print(line, flush=True)

@@ -19,7 +19,7 @@ DFb 1500 $df" \
   setsid nohup bash experiments/push_machine.sh > /root/push.log 2>&1 &
 #
 # Machine 2 (commit a0ace71: online training's next target forward on a background thread): the same
-# answers (S″, unpacked from the gz), N31b alone, on the budget rule of docs/results.md (32,768-token
+# answers (S″, unpacked from the gz; not in the repository, 6.4 MB: machine 1's lines make them), N31b alone, on the budget rule of docs/results.md (32,768-token
 # micro-batches, warm-up 30, cosine to 0.1 × lr, lr 1.5e-3, one decoder layer, three chained steps),
 # states online, without the set-aside checks (device time): 1,500 steps in 407 s. The head came back.
 R=/root/push
@@ -30,8 +30,14 @@ python3 -m mtp_train.train model=smollm2_135m model.target=/root/smol run_dir=$R
   train.tokens_per_micro_batch=32768 train.warmup_steps=30 train.lr=1.5e-3 train.save_every=0 \
   logging.log_every=10 train.validate_every=0 "train.spec_validate_at=[]" > $R/train_N31b.log 2>&1
 #
-# Here (2 CPU cores, no device time left): N31b validated through the loop, fp32, greedy, k = 4.
-python -m mtp_train.validate model=smollm2_135m model.target=<SmolLM2-135M-Instruct> model.variant=eagle3.1 \
-  run_dir=/tmp/v31 validate.head=N31b "validate.eval_files=[data/mt_bench.jsonl]" \
-  validate.report=results/N31b_mt_bench.json validate.batch_size=80 validate.max_new_tokens=256 \
-  validate.num_prompts=null "validate.temperatures=[0.0]" "validate.chain_lengths=[4]" validate.dtype=float32
+# Here (2 CPU cores, no device time left): N31b (the head came back to /work/heads_tmp/N31b) validated
+# through the loop, fp32, greedy, k = 4, on MT-bench and vicuna-bench; the reports were copied to results/.
+for b in mt_bench vicuna_bench; do
+  python -m mtp_train.validate model=smollm2_135m model.target=/root/.cache/mtp_train/SmolLM2-135M-Instruct \
+    model.variant=eagle3.1 run_dir=/tmp/v31 validate.head=/work/heads_tmp/N31b "validate.eval_files=[data/$b.jsonl]" \
+    validate.report=/tmp/v31/N31b_$b.json validate.batch_size=80 validate.max_new_tokens=256 validate.num_prompts=null \
+    "validate.temperatures=[0.0]" "validate.chain_lengths=[4]" validate.dtype=float32
+done   # (vicuna with validate.teacher_forced_samples=0)
+# Published: the vllm export, copied to heads/smollm2_135m/eagle3.1, and the CPU check's counts in card.json
+python -c "from mtp_train.export import export_layouts; export_layouts('/work/heads_tmp/N31b', 'smollm2-135m-instruct', ['vllm'], '/tmp/pub/N31b')"
+python -m mtp_train.projection results/N31b_mt_bench.json benchmarks/results/verify_cost_llama3_{8b,70b}.json
