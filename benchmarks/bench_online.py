@@ -1,8 +1,10 @@
 """Online training (`train.states=online`) against training from a store, one GPU, one run, the
 same head and micro-batches: the trainer's own step (`train.train_step`) fed by the online states'
-own forward (`mtp_train.states.OnlineStates.samples`: the target's packed forward, compiled) or by
-states precomputed once into pinned host memory (the store path at its best: no disk read). Also
-the precompute forward alone, and from the three the GPU-hours for one billion tokens either way.
+own forward (`mtp_train.states.OnlineStates.samples`: the target's packed forward, compiled) in
+the training thread, or the same forward one micro-batch ahead on a background thread (what
+`train.micro_batches` does with the target whole), or by states precomputed once into pinned host
+memory (the store path at its best: no disk read). Also the precompute forward alone, and from
+these the GPU-hours for one billion tokens either way.
 
     python -m benchmarks.bench_online --shape llama3_8b --variant rmsnorm-restored
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import time
 
 import torch
@@ -19,7 +22,7 @@ from accelerate import Accelerator
 from benchmarks.common import lognormal_lengths, shape, write_result
 from inference_ref.head_spec import HeadSpec, default_aux_layers
 from inference_ref.models import TARGET_KINDS
-from mtp_train.batching import collate
+from mtp_train.batching import collate, prefetched
 from mtp_train.config import TrainConfig
 from mtp_train.data import Sample
 from mtp_train.heads import build
@@ -116,12 +119,19 @@ def main() -> None:
             yield collate(online.samples(ids), args.unroll)
 
     online_s = timed_steps(t, online_batches(), args.steps)
+
+    def load(ids):
+        return collate(online.samples(ids), args.unroll)
+
+    ahead = prefetched(load, itertools.cycle(spans), depth=1, workers=1)  # train.micro_batches' way
+    prefetched_s = timed_steps(t, ahead, args.steps)
+    ahead.close()
     tokens = sum(b.tokens for b in stored) / len(stored)
-    store_tps, online_tps = tokens / store_s, tokens / online_s
+    store_tps, online_tps, prefetched_tps = tokens / store_s, tokens / online_s, tokens / prefetched_s
     billion = 1e9
     store_hours = billion / forward_tps / 3600 + billion / store_tps / 3600
     figures = {
-        "command": f"python -m benchmarks.bench_online --shape {args.shape} --variant {args.variant}",
+        "command": "python -m benchmarks.bench_online " + " ".join(sys.argv[1:]),
         "shape": args.shape,
         "variant": args.variant,
         "aux_layers": list(aux),
@@ -131,10 +141,14 @@ def main() -> None:
         "precompute_forward_tokens_per_s": forward_tps,
         "train_from_store_tokens_per_s": store_tps,
         "train_online_tokens_per_s": online_tps,
+        "train_online_prefetched_tokens_per_s": prefetched_tps,
         "online_vs_store_training": online_tps / store_tps,
+        "online_prefetched_vs_online": prefetched_tps / online_tps,
+        "online_prefetched_vs_store_training": prefetched_tps / store_tps,
         "gpu_hours_per_1b_tokens": {
             "store (precompute forward + training)": store_hours,
             "online": billion / online_tps / 3600,
+            "online, next forward prefetched": billion / prefetched_tps / 3600,
         },
         "store_tb_per_1b_tokens": billion * bytes_per_token(cfg.hidden_size, "bf16", 1 + len(aux)) / 1e12,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,

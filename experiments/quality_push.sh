@@ -21,7 +21,10 @@
 #         head: up to its block's masks), TEMPS, per category, SSD hit rates (SSD: F = 1, 4, 8, 16; not
 #         for dflash, which has no chained step to predict with); with TREES=head also EAGLE-2
 #         trees of 4/16/32/64 nodes (depth 5) and Saguaro sampling (c = 0.5, 0.2) for that head.
-#         PUBLISHED="name=dir ..." validates heads trained elsewhere the same way (a published one).
+#         PUBLISHED="name=dir ..." validates heads trained elsewhere the same way (a published one),
+#         while the heads train (a 135M target leaves the GPU room for both).
+#   STORE=false: no store (every HEADS line trains with train.states=online); with ANSWERS= the
+#         answers are only unpacked, not forwarded again.
 # After experiments/gpu_machine.sh's set-up (the target converted, prompts and wheels in place).
 # Every stage resumes. Runs and write-ups: docs/results/push_run, push2_run, push3_run.
 #   (setsid nohup bash experiments/quality_push.sh > /root/push.log 2>&1 &)   # /root/push.done at the end
@@ -66,6 +69,7 @@ PUBLISHED=${PUBLISHED:-}            # "name=head_dir ...": heads from elsewhere,
 SSD=${SSD-[1,4,8,16]}               # SSD fan-outs validated with chained heads (empty: no SSD pass)
 DS_HEADS=${DS_HEADS:-}              # heads trained under accelerate launch + DeepSpeed ZeRO-2 (one GPU)
 SEL_PROMPTS=${SEL_PROMPTS:-100}     # set-aside prompts validated at the end of training
+STORE=${STORE:-true}                # write the store (false: the heads train online)
 mkdir -p "$R/logs"
 common=(model=smollm2_135m "model.target=$T" "run_dir=$R")
 log() { echo "[$(date +%T)] $*"; }
@@ -85,7 +89,10 @@ fi
 regen=("regenerate.prompts=[$prompts]" "regenerate.limit=$N"
        "regenerate.max_new_tokens=$NEW" regenerate.max_prompt_tokens=1024 "regenerate.batch_size=$BATCH"
        "regenerate.stop_repeat=$STOP_REPEAT")
-if [ ! -f "$store/manifest.json" ]; then
+if [ "$STORE" != true ] && [ ! -f "$R/regenerated.jsonl" ]; then  # answers only, no store
+  log regenerate
+  python3 -m mtp_train.regenerate "${common[@]}" "${regen[@]}" "${data[@]}" > "$R/logs/regenerate.log" 2>&1
+elif [ "$STORE" = true ] && [ ! -f "$store/manifest.json" ]; then
   log regenerate
   start=$(date +%s)
   if python3 -m mtp_train.regenerate "${common[@]}" "${regen[@]}" "${data[@]}" regenerate.capture=true \
@@ -129,15 +136,6 @@ train() {  # name, steps, overrides...
     "validate.max_new_tokens=$VAL_NEW" "validate.chain_lengths=[4]" validate.teacher_forced_samples=64 \
     "$@" > "$R/logs/train_$name.log" 2>&1
 }
-log train
-export OMP_NUM_THREADS=4  # the heads share the cores
-while read -r name steps overrides; do
-  # shellcheck disable=SC2086  # the overrides are words
-  train "$name" "$steps" $overrides &
-done <<< "$HEADS"
-wait
-python3 -m experiments.quality_smollm2 selection "$R"   # each head's set-aside τ: $R/selection.json
-
 validate() {  # head name, head dir, report name, prompts file, overrides...
   local head=$1 dir=$2 name=$3 prompts=$4
   shift 4
@@ -169,6 +167,23 @@ benches() {  # head name, head dir, overrides...: each benchmark, side by side
   # shellcheck disable=SC2086
   [ "$LONG" != true ] || validate "$head" "$dir" long_inputs data/long_inputs.jsonl $settings &
 }
+# heads from elsewhere: validated while the heads train (their kind and block from the head's own
+# config, what drafts() reads)
+for pair in $PUBLISHED; do
+  dir=${pair#*=}
+  # shellcheck disable=SC2046  # the settings are words
+  OMP_NUM_THREADS=2 benches "${pair%%=*}" "$dir" $(python3 -c 'import sys; from inference_ref.head_files import read_native_config
+c = read_native_config(sys.argv[1]); print("model.variant=" + c["variant"], "model.block_size=%d" % c.get("block_size", 8))' "$dir")
+done
+log train
+export OMP_NUM_THREADS=4  # the heads share the cores
+while read -r name steps overrides; do
+  # shellcheck disable=SC2086  # the overrides are words
+  train "$name" "$steps" $overrides &
+done <<< "$HEADS"
+wait
+python3 -m experiments.quality_smollm2 selection "$R"   # each head's set-aside τ: $R/selection.json
+
 log validate
 export OMP_NUM_THREADS=2  # up to three benchmarks per head side by side
 while read -r name steps overrides; do
@@ -176,12 +191,6 @@ while read -r name steps overrides; do
   # shellcheck disable=SC2086  # the overrides are words
   benches "$name" "$R/heads/$name/head" $overrides
 done <<< "$HEADS"
-for pair in $PUBLISHED; do  # its kind and block from the head's own config (what drafts() reads)
-  dir=${pair#*=}
-  # shellcheck disable=SC2046  # the settings are words
-  benches "${pair%%=*}" "$dir" $(python3 -c 'import sys; from inference_ref.head_files import read_native_config
-c = read_native_config(sys.argv[1]); print("model.variant=" + c["variant"], "model.block_size=%d" % c.get("block_size", 8))' "$dir")
-done
 wait
 [ -z "$TREES" ] || validate "$TREES" "$R/heads/$TREES/head" mt_bench_trees data/mt_bench.jsonl model.variant=rmsnorm-restored \
   "validate.chain_lengths=[1,2,3,4,5]" "validate.ssd_fan_outs=[1,4,8,16]" \
