@@ -2,9 +2,10 @@
 
 - a native export: `head.safetensors` under the training module's names, `config.json` with
   `format: mtp-train-head`;
-- an EAGLE-3-family engine export (the `eagle3` layout, and the `vllm` layout of eagle3 / eagle3.1
-  heads): `model.safetensors` under the engines' names, and a `config.json` that the engines read
-  and that carries the native config under `mtp_train_head`. Its tensors are renamed back here.
+- an engine export that carries the native config under `mtp_train_head` in the `config.json` the
+  engine reads, beside `model.safetensors` under the engine's names: the `eagle3` layout and the
+  `vllm` layout of eagle3 / eagle3.1 heads (the EAGLE-3 layout: `midlayer.`), and the `vllm` layout
+  of rmsnorm-restored / eagle1 heads (the plugin's: `layers.0.`). Its tensors are renamed back here.
 
 So a published head is one directory that vLLM serves as it is and that our loop validates.
 """
@@ -24,12 +25,16 @@ NATIVE_CONFIG = "mtp_train_head"
 """The config.json key under which an engine export keeps the native config it was made from."""
 EAGLE3_LAYER = "midlayer."
 """The decoder layer's prefix in the EAGLE-3 layout (`layer.` natively)."""
+PLUGIN_LAYER = "layers.0."
+"""The decoder layer's prefix in the vLLM plugin's layout of rmsnorm-restored / eagle1 heads."""
 
 
 def reads_back(kind) -> bool:
     """Whether a head kind's eagle3 / vllm exports carry its native config and are read back here:
-    the EAGLE-3 family (eagle3, eagle3.1), whose export is the EAGLE-3 layout."""
-    return kind.fuses_aux and not kind.blocks
+    every chained kind (the EAGLE-3 family in the EAGLE-3 layout, rmsnorm-restored and eagle1 in
+    the plugin's); a dflash export is the reference's DFlashDraftModel, whose config has no room
+    for ours."""
+    return not kind.blocks
 
 
 def read_config(path: Path) -> dict:
@@ -50,14 +55,14 @@ def native_config(config: dict, path: Path) -> dict:
         if kind is None or not reads_back(kind):
             raise ValueError(
                 f"{path / CONFIG}: an engine export of a {native.get('variant')} head is not read back "
-                "(only the EAGLE-3 layout is): point at its native export"
+                "(only chained heads' are): point at its native export"
             )
         return native
     if "format" not in config:  # an engine layout without the native config
         arch = (config.get("architectures") or ["?"])[0]
         raise ValueError(
             f"{path / CONFIG}: an engine export ({arch}) that carries no native config: point at "
-            f"the head's native export (only eagle3 / eagle3.1 heads' eagle3 and vllm exports are read back)"
+            f"the head's native export (only chained heads' eagle3 and vllm exports are read back)"
         )
     return config
 
@@ -79,7 +84,18 @@ def read_head_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     tensors = load_file(str(weights))
     if native is config:
         return native, tensors
+    if any(name.startswith(PLUGIN_LAYER) for name in tensors):
+        return native, native_from_plugin(tensors)
     return native, native_from_eagle3(tensors, native["draft_vocab_size"])
+
+
+def native_from_plugin(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of the plugin layout's renaming: the layer back under `layer.`; every other
+    tensor (enorm, hnorm, fc, norm, a draft vocabulary's lm_head and d2t) keeps its native name."""
+    return {
+        ("layer." + name[len(PLUGIN_LAYER) :] if name.startswith(PLUGIN_LAYER) else name): t
+        for name, t in tensors.items()
+    }
 
 
 def native_from_eagle3(tensors: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:

@@ -410,14 +410,22 @@ def test_cli_writes_requested_layouts(tiny_target, identity, tmp_path):
 
 @pytest.mark.parametrize(
     ("variant", "layout", "draft_vocab"),
-    [("eagle3", "vllm", 0), ("eagle3", "eagle3", 64), ("eagle3.1", "vllm", 64), ("eagle3.1", "vllm", 0)],
+    [
+        ("eagle3", "vllm", 0),
+        ("eagle3", "eagle3", 64),
+        ("eagle3.1", "vllm", 64),
+        ("eagle3.1", "vllm", 0),
+        ("rmsnorm-restored", "vllm", 0),  # the plugin's layout
+        ("rmsnorm-restored", "vllm", 64),
+        ("eagle1", "vllm", 0),
+    ],
 )
-def test_an_eagle3_engine_export_reads_back_as_its_native_head(
+def test_a_chained_head_engine_export_reads_back_as_its_native_head(
     tiny_target, identity, tmp_path, variant, layout, draft_vocab
 ):
-    """An eagle3-family head's eagle3 / vllm export is a head directory in its own right: the
-    training module and the serving draft read it back to the native head's tensors (the whole
-    vocabulary's vllm export holds no lm_head: vLLM shares the target's)."""
+    """A chained head's eagle3 / vllm export is a head directory in its own right: the training
+    module and the serving draft read it back to the native head's tensors (the whole vocabulary's
+    vllm export holds no lm_head: vLLM shares the target's)."""
     from inference_ref.draft import load_draft
     from inference_ref.target import load_target
 
@@ -436,9 +444,8 @@ def test_an_eagle3_engine_export_reads_back_as_its_native_head(
     assert ex.read_head_config(out)["variant"] == variant  # export.checkpoint= takes it too
 
 
-@pytest.mark.parametrize("variant", ["rmsnorm-restored", "dflash"])
-def test_other_engine_exports_are_refused_as_heads_in_one_line(tiny_target, identity, tmp_path, variant):
-    native = ex.save_head(trained_head(tiny_target, variant), tmp_path / "native", identity, {})
+def test_a_dflash_engine_export_is_refused_as_a_head_in_one_line(tiny_target, identity, tmp_path):
+    native = ex.save_head(trained_head(tiny_target, "dflash"), tmp_path / "native", identity, {})
     out = ex.export_layouts(native, tiny_target, ["vllm"], tmp_path / "export")["vllm"]
     assert "mtp_train_head" not in json.loads((out / "config.json").read_text())
     with pytest.raises(ValueError, match="carries no native config: point at the head's native export"):
