@@ -23,6 +23,7 @@ Llama-3.1-8B, four times that for an EAGLE-3 head's four layers (`describe_choic
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 import threading
@@ -46,6 +47,8 @@ class StoreStates:
 
     kind = "store"
     on_device = False
+    lock = contextlib.nullcontext()
+    """Nothing to hold: reading a store does not touch the GPU (see `OnlineStates.lock`)."""
 
     def __init__(self, store: Store):
         self.store = store

@@ -15,7 +15,6 @@ from mtp_train.cli import answer_help_first
 
 answer_help_first(__name__, __file__)  # before torch & co.: they take seconds to import
 
-import contextlib
 import json
 import math
 import time
@@ -126,10 +125,10 @@ def micro_batches(
 
     first = start * tc.grad_accum
     keys = (m * t.dp_size + t.dp_rank for m in range(first, tc.steps * tc.grad_accum))
-    if states.kind == "online" and states.sharded:  # the forward's collectives stay in step with the group's
-        return map(load, keys)
-    if states.kind == "online":  # the next micro-batch's forward on one thread while this one trains
-        return prefetched(load, keys, depth=1, workers=1)
+    if states.kind == "online":
+        if states.sharded:  # the forward's collectives stay in step with the group's
+            return map(load, keys)
+        return prefetched(load, keys, depth=1, workers=1)  # the next forward while this step trains
     # two builders: one did not keep up with a 65 ms step on one host (docs/benchmarks.md)
     return prefetched(load, keys, depth=3, workers=2)
 
@@ -439,7 +438,7 @@ def _train(cfg: RunConfig) -> Path:
     t, run, states, start = set_up(cfg)
     batches = micro_batches(t, states, start, t.acc.device)
     progress = Progress(t.acc, cfg, total_steps=tc.steps, start_step=start)
-    hooks = Hooks(cfg, t, run, getattr(states, "lock", None))
+    hooks = Hooks(cfg, t, run, states.lock)
     dead = DeadHeadWatch(tc)
     for step in range(start, tc.steps):
         stats, grad_norm, waited = train_step(t, batches)
@@ -465,11 +464,11 @@ def write_summary(path: Path, steps: int, figures: dict) -> None:
 class Hooks:
     """What runs between optimizer steps: checkpoints, intermediate exports and in-job validation."""
 
-    def __init__(self, cfg: RunConfig, t: Training, run: Run, states_lock=None):
+    def __init__(self, cfg: RunConfig, t: Training, run: Run, states_lock):
         self.cfg, self.t, self.run = cfg, t, run
         # online states: the next micro-batch's forward waits while the head is validated (a CUDA
         # graph capture must not see another thread's work)
-        self.states_lock = states_lock or contextlib.nullcontext()
+        self.states_lock = states_lock
         self.out_dir = Path(cfg.train.out_dir)
         self.validator: DuringTraining | None = (
             None  # built at the first validation (it loads the target once)

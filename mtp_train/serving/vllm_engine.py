@@ -249,19 +249,27 @@ def run_vllm(
             )
         )
         if _kept is None:
-            log = Path(tempfile.gettempdir()) / f"vllm_engine_{os.getpid()}_{int(time.time())}.log"
+            log, start = log_path(), 0
             with open(log, "w") as out:
                 proc = _spawn([str(request), str(result)], engine, out, tmp)
                 returncode = _follow(proc, log, timeout)
         else:
             child = _kept_child(engine)
-            log, returncode = child.log, child.run(request, result, timeout)
+            log, start = child.log, child.log.stat().st_size  # this call's lines only
+            returncode = child.run(request, result, timeout, start)
         if returncode != 0 or not result.exists():
-            tail = log.read_text()[-4000:]
+            with open(log, errors="replace") as reader:
+                reader.seek(start)
+                tail = reader.read()[-4000:]
             raise RuntimeError(f"vLLM child failed (exit {returncode}); log {log}:\n{tail}")
         answer = json.loads(result.read_text())
     answer["log"] = str(log)
     return answer
+
+
+def log_path(kind: str = "") -> Path:
+    """A new file in the temp dir for a child's output (kept after the call, named in its result)."""
+    return Path(tempfile.gettempdir()) / f"vllm_engine_{os.getpid()}_{int(time.time())}{kind}.log"
 
 
 def _spawn(args: list[str], engine: Engine, out, cwd: str, **popen) -> subprocess.Popen:
@@ -300,12 +308,12 @@ class _KeptChild:
 
     def __init__(self, engine: Engine):
         self.dir = tempfile.TemporaryDirectory(prefix="vllm_engine_kept_")
-        self.log = Path(tempfile.gettempdir()) / f"vllm_engine_{os.getpid()}_{int(time.time())}_kept.log"
+        self.log = log_path("_kept")
         with open(self.log, "w") as out:
             self.proc = _spawn(["--serve"], engine, out, self.dir.name, stdin=subprocess.PIPE, text=True)
 
-    def run(self, request: Path, result: Path, timeout: float) -> int:
-        start = self.log.stat().st_size  # this call's lines only
+    def run(self, request: Path, result: Path, timeout: float, start: int) -> int:
+        """Ask for one request; its lines start at byte `start` of the log."""
         try:
             self.proc.stdin.write(f"{request}\t{result}\n")
             self.proc.stdin.flush()
