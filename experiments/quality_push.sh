@@ -22,9 +22,10 @@
 #         for dflash, which has no chained step to predict with); with TREES=head also EAGLE-2
 #         trees of 4/16/32/64 nodes (depth 5) and Saguaro sampling (c = 0.5, 0.2) for that head.
 #         PUBLISHED="name=dir ..." validates heads trained elsewhere the same way (a published one),
-#         while the heads train (a 135M target leaves the GPU room for both).
-#   STORE=false: no store (every HEADS line trains with train.states=online); with ANSWERS= the
-#         answers are only unpacked, not forwarded again.
+#         while the heads train (a 135M target leaves the GPU room for both; their reports' seconds
+#         and tokens/s, and the heads' training speed, are then measured sharing the GPU).
+#   STORE=false: no store: every HEADS line trains with train.states=online on the answers (a line
+#         may still override both); with ANSWERS= the answers are only unpacked, not forwarded again.
 # After experiments/gpu_machine.sh's set-up (the target converted, prompts and wheels in place).
 # Every stage resumes. Runs and write-ups: docs/results/push_run, push2_run, push3_run.
 #   (setsid nohup bash experiments/quality_push.sh > /root/push.log 2>&1 &)   # /root/push.done at the end
@@ -84,14 +85,16 @@ store=$R/store
 # An earlier machine's answers (its $R/regenerated.jsonl.gz): regenerate finds every id answered and
 # only forwards them again for the store (about a minute instead of five).
 if [ -n "$ANSWERS" ] && [ ! -f "$R/regenerated.jsonl" ]; then
-  gzip -dc "$ANSWERS" > "$R/regenerated.jsonl"
+  gzip -dc "$ANSWERS" > "$R/regenerated.jsonl.tmp" && mv "$R/regenerated.jsonl.tmp" "$R/regenerated.jsonl"
+  [ "$STORE" = true ] || touch "$R/answers.done"  # a whole earlier answer set: nothing to regenerate
 fi
 regen=("regenerate.prompts=[$prompts]" "regenerate.limit=$N"
        "regenerate.max_new_tokens=$NEW" regenerate.max_prompt_tokens=1024 "regenerate.batch_size=$BATCH"
        "regenerate.stop_repeat=$STOP_REPEAT")
-if [ "$STORE" != true ] && [ ! -f "$R/regenerated.jsonl" ]; then  # answers only, no store
-  log regenerate
+if [ "$STORE" != true ] && [ ! -f "$R/answers.done" ]; then  # answers only, no store
+  log regenerate  # resumes: the ids already answered are skipped
   python3 -m mtp_train.regenerate "${common[@]}" "${regen[@]}" "${data[@]}" > "$R/logs/regenerate.log" 2>&1
+  touch "$R/answers.done"
 elif [ "$STORE" = true ] && [ ! -f "$store/manifest.json" ]; then
   log regenerate
   start=$(date +%s)
@@ -121,15 +124,16 @@ for s in $(seq 1 "$SAMPLES"); do  # several sampled answers per prompt beside th
 done
 
 train() {  # name, steps, overrides...
-  local name=$1 steps=$2 lr=()
+  local name=$1 steps=$2 lr=() states=()
   shift 2
   [ -f "$R/heads/$name/train_summary.json" ] && return
   [[ " $* " == *" train.lr="* ]] || lr=("train.lr=$LR")
+  [ "$STORE" = true ] || states=(train.states=online "${data[@]}")  # before the line's own: it may override
   local launch=(python3 -m)
   # one DeepSpeed run at a time: its single process still takes the rendezvous port
   [[ " $DS_HEADS " == *" $name "* ]] && launch=(accelerate launch --config_file launch/accelerate/zero2_1gpu.yaml -m)
   "${launch[@]}" mtp_train.train "${common[@]}" "train.store_dir=$store" "train.out_dir=$R/heads/$name" \
-    "train.steps=$steps" "train.tokens_per_micro_batch=$TOKENS" train.warmup_steps=30 "${lr[@]}" \
+    "train.steps=$steps" "train.tokens_per_micro_batch=$TOKENS" train.warmup_steps=30 "${lr[@]}" "${states[@]}" \
     "train.save_every=$(( steps / 2 ))" logging.log_every=10 "train.validate_every=$(( steps / 6 ))" \
     "train.spec_validate_at=[$steps]" \
     "validate.eval_files=[$R/prompts/selection.jsonl]" "validate.num_prompts=$SEL_PROMPTS" validate.batch_size=100 \
@@ -177,11 +181,16 @@ c = read_native_config(sys.argv[1]); print("model.variant=" + c["variant"], "mod
 done
 log train
 export OMP_NUM_THREADS=4  # the heads share the cores
+declare -A training=()
 while read -r name steps overrides; do
   # shellcheck disable=SC2086  # the overrides are words
   train "$name" "$steps" $overrides &
+  training[$name]=$!
 done <<< "$HEADS"
-wait
+for name in "${!training[@]}"; do  # a failed head is named; the others go on to validation
+  wait "${training[$name]}" || log "training $name failed: see $R/logs/train_$name.log"
+done
+wait  # the published heads' validations
 python3 -m experiments.quality_smollm2 selection "$R"   # each head's set-aside τ: $R/selection.json
 
 log validate

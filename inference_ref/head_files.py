@@ -90,11 +90,14 @@ def read_head_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def native_from_plugin(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of the plugin layout's renaming: the layer back under `layer.`; every other
-    tensor (enorm, hnorm, fc, norm, a draft vocabulary's lm_head and d2t) keeps its native name."""
+    """The inverse of the plugin layout's renaming: the layer back under `layer.`; enorm, hnorm,
+    fc, norm and a draft vocabulary's d2t keep their native names. A draft vocabulary's lm_head
+    rows are dropped: they are the target's rows at d2t's ids (in the export's dtype), which the
+    native head takes from the target itself."""
     return {
         ("layer." + name[len(PLUGIN_LAYER) :] if name.startswith(PLUGIN_LAYER) else name): t
         for name, t in tensors.items()
+        if name != "lm_head.weight"
     }
 
 

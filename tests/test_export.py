@@ -418,6 +418,7 @@ def test_cli_writes_requested_layouts(tiny_target, identity, tmp_path):
         ("rmsnorm-restored", "vllm", 0),  # the plugin's layout
         ("rmsnorm-restored", "vllm", 64),
         ("eagle1", "vllm", 0),
+        ("eagle1", "vllm", 64),
     ],
 )
 def test_a_chained_head_engine_export_reads_back_as_its_native_head(

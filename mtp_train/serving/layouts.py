@@ -75,7 +75,8 @@ def eagle1_export(tensors: Mapping[str, torch.Tensor], layer_config: dict, varia
         raise LayoutUnsupported(
             f"layout eagle1: a {variant} head has enorm/hnorm, layer 0's input_layernorm and a final "
             "norm; the EAGLE-1 loaders (SGLang/vLLM llama_eagle.py) have none of them. "
-            "See docs/export.md for why a rmsnorm-restored head has no engine layout on a Llama target."
+            "A rmsnorm-restored head has no stock engine layout on a Llama target (docs/export.md): "
+            "export.formats=[vllm] serves it with this package's vLLM plugin."
         )
     _require_llama(layer_config, "eagle1")
     out = {"fc.weight": tensors["fc.weight"], "fc.bias": tensors["fc.bias"]}
