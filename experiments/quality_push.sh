@@ -5,7 +5,9 @@
 #         GSM8K questions, up to NEW new tokens per turn, every turn, greedy; the store written from
 #         the generation's own states (regenerate.capture; precompute as the fallback), with
 #         EAGLE-3's aux states (AUX=true); SAMPLES more answers per prompt at SAMPLE_T beside the
-#         greedy ones ($R/sampled_<s>.jsonl); ANSWERS= an earlier machine's regenerated.jsonl.gz
+#         greedy ones ($R/sampled_<s>.jsonl); LONG_MIX= long-input training prompts per task
+#         (experiments.long_inputs mix) answered into $R/long_mix_answers.jsonl; ANSWERS= an
+#         earlier machine's regenerated.jsonl.gz
 #         instead of answering again;
 #   heads one line of HEADS each: "name steps overrides...", trained side by side on the one GPU
 #         (a 135M target's head leaves most of an H200 idle), all with 32k-token micro-batches,
@@ -58,6 +60,8 @@ NEW=${NEW:-1024}                    # new tokens per turn (regeneration)
 STOP_REPEAT=${STOP_REPEAT:-0}       # regenerate.stop_repeat: stop answers at a repeated N-gram (0: off)
 SAMPLES=${SAMPLES:-0}               # also this many sampled answers per prompt: $R/sampled_<s>.jsonl, seed s
 SAMPLE_T=${SAMPLE_T:-0.8}           # at this temperature (HEADS lines name the files they train on)
+LONG_MIX=${LONG_MIX:-0}             # long-input training prompts per task (experiments.long_inputs mix),
+                                    # answered into $R/long_mix_answers.jsonl (HEADS lines name it)
 ANSWERS=${ANSWERS:-}                # a regenerated.jsonl.gz from an earlier machine: resumed, not redone
 BATCH=${BATCH:-512}                 # regeneration batch
 TOKENS=${TOKENS:-32768}             # per micro-batch
@@ -114,6 +118,13 @@ fi
 # a copy small enough to carry to the next machine (ANSWERS=)
 if [ ! -f "$R/regenerated.jsonl.gz" ]; then  # whole or absent: a kill mid-write leaves only the .tmp
   gzip -c "$R/regenerated.jsonl" > "$R/regenerated.jsonl.gz.tmp" && mv "$R/regenerated.jsonl.gz.tmp" "$R/regenerated.jsonl.gz"
+fi
+if [ "$LONG_MIX" -gt 0 ] && [ ! -f "$R/long_mix.done" ]; then  # the long-input data mix, answered
+  log "long-input mix ($LONG_MIX per task)"
+  python3 -m experiments.long_inputs mix "$R/prompts/chat_train.jsonl" "$R/prompts/long_mix.jsonl" "$LONG_MIX"
+  python3 -m mtp_train.regenerate "${common[@]}" "${regen[@]}" "regenerate.prompts=[$R/prompts/long_mix.jsonl]" \
+    regenerate.limit=null "regenerate.output=$R/long_mix_answers.jsonl" > "$R/logs/long_mix.log" 2>&1
+  touch "$R/long_mix.done"
 fi
 for s in $(seq 1 "$SAMPLES"); do  # several sampled answers per prompt beside the greedy one
   [ -f "$R/sampled_$s.done" ] && continue
