@@ -7,8 +7,9 @@
 #         EAGLE-3's aux states (AUX=true); SAMPLES more answers per prompt at SAMPLE_T beside the
 #         greedy ones ($R/sampled_<s>.jsonl); LONG_MIX= long-input training prompts per task
 #         (experiments.long_inputs mix) answered into $R/long_mix_answers.jsonl; ANSWERS= an
-#         earlier machine's regenerated.jsonl.gz
-#         instead of answering again;
+#         earlier machine's regenerated.jsonl.gz instead of answering again (a head trained on the
+#         sampled or mix answers names their files in data.train_files and trains online: the store
+#         holds the greedy answers only);
 #   heads one line of HEADS each: "name steps overrides...", trained side by side on the one GPU
 #         (a 135M target's head leaves most of an H200 idle), all with 32k-token micro-batches,
 #         warm-up 30, lr LR (1.5e-3: chosen on the set-aside prompts in the six-head experiment)
