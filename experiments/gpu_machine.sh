@@ -7,7 +7,7 @@
 # Arguments are passed on to `python3 -m experiments.quality_smollm2 run` (plan.FIELD=V, Hydra overrides).
 #
 # Machine paths, each from the environment (the defaults are the lent machine's):
-#   DATA_DIR  /root/dc                        the GGUF parts (smollm2.gguf.part0..2) and the prompt files
+#   DATA_DIR  /root/dc                        the GGUF parts (smollm2.gguf.part0, part1, …) and the prompt files
 #   CHAT      $DATA_DIR/chat_prompts.jsonl    the shared chat prompts
 #   GSM8K     $DATA_DIR/gsm8k_train.jsonl     the GSM8K questions
 #   SITE      /root/site                      the installed wheels, put on PYTHONPATH
@@ -23,7 +23,8 @@ set -euo pipefail
 trap 'touch "$R.done"' EXIT
 export PYTHONPATH=$SITE:$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ ! -f "$DATA_DIR/smollm2.gguf" ]; then
-  cat "$DATA_DIR"/smollm2.gguf.part{0,1,2} > "$DATA_DIR/smollm2.gguf"
+  # however many parts it travelled in (each call takes 64 MiB with the repository's own files)
+  find "$DATA_DIR" -maxdepth 1 -name 'smollm2.gguf.part*' | sort -V | xargs cat > "$DATA_DIR/smollm2.gguf"
 fi
 sha256sum "$DATA_DIR/smollm2.gguf" | cut -c1-16   # b179c9523d0e6a0f…
 if [ ! -f "$T/config.json" ]; then
