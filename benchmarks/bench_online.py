@@ -114,15 +114,10 @@ def main() -> None:
     forward_tps = online.tokens / online.forward_s
     store_s = timed_steps(t, itertools.cycle(stored), args.steps)
 
-    def online_batches():
-        for ids in itertools.cycle(spans):
-            yield collate(online.samples(ids), args.unroll)
-
-    online_s = timed_steps(t, online_batches(), args.steps)
-
     def load(ids):
         return collate(online.samples(ids), args.unroll)
 
+    online_s = timed_steps(t, map(load, itertools.cycle(spans)), args.steps)  # in the training thread
     ahead = prefetched(load, itertools.cycle(spans), depth=1, workers=1)  # train.micro_batches' way
     prefetched_s = timed_steps(t, ahead, args.steps)
     ahead.close()

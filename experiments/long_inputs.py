@@ -36,6 +36,8 @@ PER_TASK, SEED = 20, 0
 MAX_CHARS = 6000  # ≈ 1,500 SmolLM2 tokens: the prompt and 256 new tokens stay well inside 8k
 MIX_PER_TASK, MIX_SEED = 500, 1
 MIX_MAX_CHARS = 3600  # ≈ 900 tokens: inside regenerate.max_prompt_tokens (1,024) with the instruction
+SUMMARIZE = "Summarize the following text in one paragraph.\n\n"
+TRANSLATE = "Translate the following text into French.\n\n"
 
 
 def read(path: Path) -> list[dict]:
@@ -88,10 +90,10 @@ def build(
     out = []
     for r in take(lambda r: 1500 <= len("\n\n".join(answers(r))) <= max_chars, per_task):
         text = "\n\n".join(answers(r))
-        out.append(item("summarize", f"Summarize the following text in one paragraph.\n\n{text}", [r]))
+        out.append(item("summarize", SUMMARIZE + text, [r]))
     for r in take(lambda r: 1000 <= len(answers(r)[0]) <= min(3000, max_chars), per_task):
         text = answers(r)[0]
-        out.append(item("translate", f"Translate the following text into French.\n\n{text}", [r]))
+        out.append(item("translate", TRANSLATE + text, [r]))
     for _ in range(per_task):
         group = take(lambda r: 400 <= len(answers(r)[0]) <= min(1400, max_chars // 4), 4)
         if len(group) < 4:  # not strict: no four passages left
@@ -125,14 +127,12 @@ def training_mix(records: list[dict], per_task: int = MIX_PER_TASK) -> list[dict
         if r["id"] not in used and (text := (first_question(r) or "")) and 1000 <= len(text) <= MIX_MAX_CHARS
     ]
     rng.shuffle(documents)
-    longest = sorted(documents, key=lambda d: -len(d[1]))  # the longer half to summarize
+    longest = sorted(documents, key=lambda d: -len(d[1]))  # the longest ones to summarize
     summarize = [d for d in longest if len(d[1]) >= 1500][:per_task]
     chosen = {id(r) for r, _ in summarize}
     translate = [d for d in documents if id(d[0]) not in chosen][:per_task]
-    out = [
-        item("summarize", f"Summarize the following text in one paragraph.\n\n{t}", [r]) for r, t in summarize
-    ]
-    out += [item("translate", f"Translate the following text into French.\n\n{t}", [r]) for r, t in translate]
+    out = [item("summarize", SUMMARIZE + t, [r]) for r, t in summarize]
+    out += [item("translate", TRANSLATE + t, [r]) for r, t in translate]
     out += [{k: v for k, v in x.items() if k != "question_id"} for x in qa_code]
     return [{"question_id": f"mix-{i:04d}", **x} for i, x in enumerate(out)]
 

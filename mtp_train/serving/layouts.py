@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference_ref.head_files import PLUGIN_LAYER
 from inference_ref.head_spec import HeadSpec, draft_ids
 from inference_ref.models.llama import LlamaConfig
 from mtp_train.layer_names import (
@@ -302,14 +303,14 @@ def vllm_own(spec: HeadSpec) -> Symbolic:
     """The head's own tensors as the plugin's classes name them: the native names
     (`HeadKind.math.native_names`), the layer's under `layers.0.` instead of `layer.`."""
     return {
-        (f"layers.0.{n[len('layer.') :]}" if n.startswith("layer.") else n): shape
+        (PLUGIN_LAYER + n[len("layer.") :] if n.startswith("layer.") else n): shape
         for n, shape in spec.kind.math.native_names(spec).items()
     }
 
 
 def vllm_table(spec: HeadSpec) -> Table:
     block = {**LLAMA_BLOCK, **(VLLM_QK_NORMS if spec.target.model_type == "qwen3" else {})}
-    symbolic = {**vllm_own(spec), **{f"layers.0.{n}": s for n, s in block.items()}}
+    symbolic = {**vllm_own(spec), **{PLUGIN_LAYER + n: s for n, s in block.items()}}
     if spec.draft_vocab_size:
         symbolic.update(VLLM_VOCAB)
     return resolve(symbolic, {**llama_dims(spec.target), "D": spec.target.head_dim, "Vd": spec.vocab})
@@ -341,7 +342,7 @@ def vllm_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: d
         )
     t = spec.target
     out = {n: tensors[n] for n in vllm_own(spec) if not n.startswith("layers.")}
-    out.update({f"layers.0.{n[len('layer.') :]}": w for n, w in tensors.items() if n.startswith("layer.")})
+    out.update({PLUGIN_LAYER + n[len("layer.") :]: w for n, w in tensors.items() if n.startswith("layer.")})
     if spec.draft_vocab_size:
         out.update({"lm_head.weight": tensors["lm_head.weight"], "d2t": tensors["d2t"].long()})
     dropped = ("bos_token_id", "eos_token_id", "use_sliding_window", "architectures")
