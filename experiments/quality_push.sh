@@ -19,7 +19,9 @@
 #         chosen, never MT-bench: selection.json lists them; the default lines are the first
 #         run's A / B / C;
 #         DS_HEADS lists the heads trained under DeepSpeed ZeRO-2 instead of one process;
-#   validation  of VAL_HEADS: MT-bench and vicuna-bench, both turns, and the long-input set
+#   validation  of VAL_HEADS, each as soon as it is trained (beside the heads still training, so
+#         its reports' seconds and tokens/s are measured sharing the GPU): MT-bench and
+#         vicuna-bench, both turns, and the long-input set
 #         (data/long_inputs.jsonl, LONG=true), VAL_NEW new tokens, batch 80, k = 1 … 5 (a dflash
 #         head: up to its block's masks), TEMPS, per category, SSD hit rates (SSD: F = 1, 4, 8, 16; not
 #         for dflash, which has no chained step to predict with); with TREES=head also EAGLE-2
@@ -191,28 +193,24 @@ for pair in $PUBLISHED; do
   OMP_NUM_THREADS=2 benches "${pair%%=*}" "$dir" $(python3 -c 'import sys; from inference_ref.head_files import read_native_config
 c = read_native_config(sys.argv[1]); print("model.variant=" + c["variant"], "model.block_size=%d" % c.get("block_size", 8))' "$dir")
 done
+trained_then_validated() {  # name, steps, overrides: in a subshell of its own (run with &)
+  local name=$1
+  export OMP_NUM_THREADS=4  # the heads share the cores
+  train "$@" || { log "training $name failed: see $R/logs/train_$name.log"; return 1; }
+  shift 2
+  [[ "$VAL_HEADS" == all || " $VAL_HEADS " == *" $name "* ]] || return 0
+  log "validate $name"  # as soon as it is trained: the GPU does not wait for the slowest head
+  export OMP_NUM_THREADS=2  # up to three benchmarks side by side
+  benches "$name" "$R/heads/$name/head" "$@"
+  wait
+}
 log train
-export OMP_NUM_THREADS=4  # the heads share the cores
-declare -A training=()
 while read -r name steps overrides; do
   # shellcheck disable=SC2086  # the overrides are words
-  train "$name" "$steps" $overrides &
-  training[$name]=$!
+  trained_then_validated "$name" "$steps" $overrides &
 done <<< "$HEADS"
-for name in "${!training[@]}"; do  # a failed head is named; the others go on to validation
-  wait "${training[$name]}" || log "training $name failed: see $R/logs/train_$name.log"
-done
-wait  # the published heads' validations
+wait  # every head trained and validated (a failed one named, the others go on), the published ones too
 python3 -m experiments.quality_smollm2 selection "$R"   # each head's set-aside τ: $R/selection.json
-
-log validate
-export OMP_NUM_THREADS=2  # up to three benchmarks per head side by side
-while read -r name steps overrides; do
-  [[ "$VAL_HEADS" == all || " $VAL_HEADS " == *" $name "* ]] || continue
-  # shellcheck disable=SC2086  # the overrides are words
-  benches "$name" "$R/heads/$name/head" $overrides
-done <<< "$HEADS"
-wait
 [ -z "$TREES" ] || validate "$TREES" "$R/heads/$TREES/head" mt_bench_trees data/mt_bench.jsonl model.variant=rmsnorm-restored \
   "validate.chain_lengths=[1,2,3,4,5]" "validate.ssd_fan_outs=[1,4,8,16]" \
   "validate.tree_budgets=[4,16,32,64]" validate.tree_depth=5 "validate.saguaro_factors=[0.5,0.2]"

@@ -24,7 +24,8 @@ from inference_ref.target import Cache, TargetModel
 
 
 class Draft(nn.Module):
-    """A one-layer draft sharing embeddings, final norm and lm_head with its target."""
+    """A draft of one decoder layer (a stacking kind's: more after it) sharing embeddings, final
+    norm and lm_head with its target."""
 
     def __init__(self, spec: HeadSpec):
         super().__init__()
@@ -32,12 +33,17 @@ class Draft(nn.Module):
         for name, module in spec.kind.math.own(spec).items():
             self.add_module(name, module)
         self.layer, self.rotary, self.cache_type = self.build_layer(spec)
+        self.later_layers = nn.ModuleList(self.build_later_layers(spec))
         if spec.draft_vocab_size or spec.kind.always_d2t:
             self.register_buffer("d2t", torch.zeros(spec.vocab, dtype=torch.long))
 
     def build_layer(self, spec: HeadSpec) -> tuple[nn.Module, nn.Module, type]:
         """The decoder layer (with `forward_cached`), its rotary module and its cache type."""
         raise NotImplementedError
+
+    def build_later_layers(self, spec: HeadSpec) -> list[nn.Module]:
+        """Layers after the first (with `forward_cached`), for a kind that stacks them. None by default."""
+        return []
 
     @property
     def capture(self) -> tuple[int, ...]:
@@ -92,7 +98,7 @@ class Draft(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> Cache:
         w = self.fc.weight
-        return self.cache_type.empty(self.spec.target, 1, batch, max_len, w.device, w.dtype)
+        return self.cache_type.empty(self.spec.target, self.spec.layers, batch, max_len, w.device, w.dtype)
 
     def project(self, state: torch.Tensor, tokens: torch.Tensor, from_target: bool) -> torch.Tensor:
         """fc input from (state, next token): the target's h, or the draft's own y when chained."""
@@ -109,7 +115,10 @@ class Draft(nn.Module):
             slots, mask = cache.slots(x.shape[1], static)
             placement = Placement(slots, slots, mask)
         cos, sin = self.rotary(placement.positions, x.dtype)
-        return self.layer.forward_cached(x, cos, sin, *cache.layer(0), placement.slots, placement.mask)
+        y = self.layer.forward_cached(x, cos, sin, *cache.layer(0), placement.slots, placement.mask)
+        for i, layer in enumerate(self.later_layers, 1):  # a stacked head's, each with its cache layer
+            y = layer.forward_cached(y, cos, sin, *cache.layer(i), placement.slots, placement.mask)
+        return y
 
     @torch.inference_mode()
     def prefill(
@@ -194,8 +203,8 @@ class Draft(nn.Module):
 
     def layer_passes(self, k: int) -> int:
         """Draft decoder-layer forwards per verify step of a chain of k: the refill's, which
-        proposes d_1, and k − 1 chained steps."""
-        return k
+        proposes d_1, and k − 1 chained steps, each through every layer."""
+        return k * self.spec.layers
 
     @torch.inference_mode()
     def teacher_forced_logits(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 from inference_ref.causal_lm import KVCache, RMSNorm
 from inference_ref.draft_base import Draft, fuse_head_state
 from inference_ref.head_spec import HeadSpec
-from inference_ref.models.llama import MLP, Attention, Rotary
+from inference_ref.models.llama import MLP, Attention, DecoderLayer, Rotary, fuse_layer
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -49,9 +49,18 @@ class Eagle3Draft(Draft):
     def build_layer(self, spec: HeadSpec) -> tuple[nn.Module, nn.Module, type]:
         return Eagle3DecoderLayer(spec.target), Rotary(spec.target), KVCache
 
+    def build_later_layers(self, spec: HeadSpec) -> list[nn.Module]:
+        """Llama layers over H after the first (vLLM llama_eagle3.py, layer_idx ≥ 1)."""
+        return [DecoderLayer(spec.target) for _ in range(spec.layers - 1)]
+
     def fuse(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The layer's q|k|v and gate|up fused as the Llama target's; hidden_norm and d2t as they are."""
-        return {
-            **fuse_head_state(tensors, self.spec),
+        """The layers' q|k|v and gate|up fused as the Llama target's; hidden_norm and d2t as they are."""
+        later = [f"later_layers.{i}." for i in range(self.spec.layers - 1)]
+        first = {n: t for n, t in tensors.items() if not n.startswith("later_layers.")}
+        out = {
+            **fuse_head_state(first, self.spec),
             "layer.hidden_norm.weight": tensors["layer.hidden_norm.weight"],
         }
+        for prefix in later:
+            out.update(fuse_layer(tensors, prefix, prefix))
+        return out

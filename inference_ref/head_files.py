@@ -105,11 +105,16 @@ def native_from_eagle3(tensors: dict[str, torch.Tensor], vocab: int) -> dict[str
     """The inverse of the EAGLE-3 layout's renaming: the layer back under `layer.`, fc, norm and
     EAGLE-3.1's fc_norm as they are. The layout's lm_head rows and t2d are the target's lm_head
     and the set of d2t's ids, which the native head takes from the target and d2t; d2t is all
-    zeros where the layout omits it (the whole vocabulary)."""
+    zeros where the layout omits it (the whole vocabulary). A stacked head's `layers.<i>` (i ≥ 1) go
+    back under `later_layers.<i − 1>`, without the hidden_norm only the engine builds for them."""
     out = {}
     for name, t in tensors.items():
         if name.startswith(EAGLE3_LAYER):
             out["layer." + name[len(EAGLE3_LAYER) :]] = t
+        elif name.startswith("layers."):
+            i, rest = name[len("layers.") :].split(".", 1)
+            if rest != "hidden_norm.weight":
+                out[f"later_layers.{int(i) - 1}.{rest}"] = t
         elif name not in ("lm_head.weight", "t2d"):
             out[name] = t
     out.setdefault("d2t", torch.zeros(vocab, dtype=torch.long))

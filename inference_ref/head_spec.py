@@ -222,6 +222,9 @@ class HeadKind:
     blocks: bool = False
     """It drafts a whole block in one forward (DFlash) instead of chaining steps: `HeadSpec`'s
     `layers`, `block_size` and `mask_token_id` describe it."""
+    stacks: bool = False
+    """A chained kind that may stack Llama decoder layers after its first (`HeadSpec.layers` > 1):
+    vLLM's `Eagle3LlamaForCausalLM` builds `num_hidden_layers`, the later ones reading H."""
 
     def aux_layers(
         self, configured: tuple[int, ...] | None, num_layers: int, draft_layers: int = 1
@@ -268,6 +271,7 @@ HEAD_KINDS: dict[str, HeadKind] = {
         feature_loss=False,
         target_kinds=("llama", "qwen3"),  # engines serve both with a Llama draft layer
         fuses_aux=True,
+        stacks=True,
     ),
     "eagle3.1": HeadKind(
         math=Eagle31Math(),
@@ -278,6 +282,7 @@ HEAD_KINDS: dict[str, HeadKind] = {
         feature_loss=False,
         target_kinds=("llama", "qwen3"),
         fuses_aux=True,
+        stacks=True,
     ),
     "dflash": HeadKind(
         math=DFlashMath(),
@@ -310,7 +315,8 @@ class HeadSpec:
     draft scores only these: its lm_head work and the training loss's vocabulary work shrink by
     vocab / draft_vocab_size (EAGLE-3's draft vocabulary; FR-Spec's frequency-ranked one)."""
     layers: int = 1
-    """Decoder layers: dflash's `model.draft_layers`; every other kind has one."""
+    """Decoder layers (`model.draft_layers`): dflash's, or a stacking kind's (eagle3, eagle3.1: the
+    first reads [e; g], the later ones are Llama layers chained after it); the other kinds have one."""
     block_size: int = 0
     """dflash: tokens per drafted block, the anchor and block_size − 1 masks (it drafts up to
     block_size − 1 tokens per verify); 0 for the chained kinds."""
@@ -337,10 +343,11 @@ class HeadSpec:
 
     def check_block(self) -> None:
         if not self.kind.blocks:
-            if (self.layers, self.block_size) != (1, 0):
+            if self.block_size != 0 or self.layers < 1 or (self.layers > 1 and not self.kind.stacks):
                 raise ValueError(
-                    f"model.draft_layers / model.block_size: a {self.variant} head has one layer and "
-                    f"chains its steps; {self.layers} layers, block size {self.block_size} are dflash's"
+                    f"model.draft_layers / model.block_size: a {self.variant} head chains its steps "
+                    f"with one layer (eagle3 kinds may stack more); {self.layers} layers, block size "
+                    f"{self.block_size} are not one of its shapes"
                 )
             return
         if self.layers < 1 or self.block_size < 2:
@@ -386,6 +393,7 @@ class HeadSpec:
                 if self.kind.blocks
                 else {}
             ),
+            **({"layers": self.layers} if self.layers > 1 and not self.kind.blocks else {}),
         }
 
     @classmethod

@@ -44,8 +44,10 @@ class ModelConfig:
     `hidden_states[k]`); None: 2, L/2, L − 3, the layers vLLM and SGLang capture by default
     (dflash: the DFlash references' choice for `draft_layers`, `head_spec.dflash_aux_layers`)."""
     draft_layers: int = 1
-    """dflash: its decoder layers (SpecForge's default; its shipped recipes and ModelOpt use 5).
-    The chained kinds have one."""
+    """Decoder layers. dflash: its layers (1 is SpecForge's default; its shipped recipes and
+    ModelOpt use 5). eagle3 / eagle3.1: Llama layers stacked after the first, each chained step
+    passing through all of them (vLLM's `Eagle3LlamaForCausalLM` serves any number; each costs a
+    layer's work per draft token). The other chained kinds have one."""
     block_size: int = 8
     """dflash: tokens per block, the anchor and block_size − 1 masks: it drafts up to
     block_size − 1 tokens per verify (ModelOpt's default 8; SpecForge's 16). Ignored by the

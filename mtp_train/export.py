@@ -67,14 +67,19 @@ NATIVE_SHARED: Symbolic = {"embed_tokens.weight": ("V", "H"), "lm_head.weight": 
 
 def native_table(spec: HeadSpec, store_shared: bool) -> dict[str, tuple[int, ...]]:
     """The native head.safetensors' names and shapes: the kind's own tensors, its decoder layer
-    under `layer.`, the shared ones where stored."""
+    under `layer.` (a stacking kind's later layers under `later_layers.<i>.`), the shared ones
+    where stored."""
     block, dims = head_class(spec).native_block(spec)
+    later = head_class(spec).native_later_block(spec)
     dims = {**dims, "Vd": spec.vocab, "nH": len(spec.aux_layers) * spec.target.hidden_size}
     vocabulary = {"d2t": ("Vd",)} if spec.draft_vocab_size else {}
     symbolic = {
         **spec.kind.math.native_names(spec),
         **vocabulary,
         **{f"layer.{name}": shape for name, shape in block.items()},
+        **{
+            f"later_layers.{i}.{name}": shape for i in range(spec.layers - 1) for name, shape in later.items()
+        },
         **(NATIVE_SHARED if store_shared else {}),
     }
     return resolve(symbolic, dims)

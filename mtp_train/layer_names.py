@@ -88,6 +88,11 @@ EAGLE3_BLOCK: Symbolic = {
 }
 
 
+# A layer stacked after EAGLE-3's first (vLLM llama_eagle3.py, layer_idx ≥ 1): Llama's, reading H.
+# The engine's own copy also holds an unused hidden_norm, which only its layout writes.
+EAGLE3_LATER_BLOCK: Symbolic = {**LLAMA_BLOCK, "input_layernorm.weight": ("H",)}
+
+
 # The DeepSeek-V2/V3 decoder layer, read from vLLM vllm/model_executor/models/deepseek_v2.py
 # (DeepseekV2MLAAttention, DeepseekV2MoE, DeepseekV2MLP; checkpoint names before vLLM's fusions).
 DEEPSEEK_Q_FULL: Symbolic = {"self_attn.q_proj.weight": ("NQK", "H")}

@@ -10,7 +10,7 @@ target-only decoding emits one token per one-token step, so
     speed-up(k, batch) = τ(k) · T_batch(1) / (T_batch(k + 1) + P(k) · D_batch)
 
 with P(k) the draft's decoder-layer forwards per verify (the report's `draft_layer_passes`): k for a
-chained head; for a block drafter (DFlash) its layers, one forward of the whole block whatever k,
+chained head (k · L for one of L stacked layers); for a block drafter (DFlash) its layers, one forward of the whole block whatever k,
 each layer costed as a one-token one-layer step (small forwards are weight-read and launch bound);
 with τ(k) = 1 + Σ_{j ≤ k} Π_{i ≤ j} a_i from the greedy per-position acceptance a_i (conditional
 on the drafts before it, so one measured chain gives τ for every shorter one). A greedy EAGLE-2 tree
@@ -58,9 +58,11 @@ def verify_ms(costs: dict, batch: str, tokens: int) -> float:
     return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
 
 
-def tree_speedup(run: dict, costs: dict, batch: str) -> float:
-    """A greedy tree's measured τ against one verify of its nodes + 1 tokens and `depth` draft steps."""
-    step = verify_ms(costs, batch, run["verify_tokens"]) + run["depth"] * costs["draft_step_ms"][batch]
+def tree_speedup(run: dict, costs: dict, batch: str, layers: int = 1) -> float:
+    """A greedy tree's measured τ against one verify of its nodes + 1 tokens and `depth` draft
+    steps of `layers` layers each."""
+    draft = run["depth"] * layers * costs["draft_step_ms"][batch]
+    step = verify_ms(costs, batch, run["verify_tokens"]) + draft
     return run["mean_accepted_len"] * costs["verify_ms"][batch]["1"] / step
 
 
@@ -76,10 +78,17 @@ def greedy_rates(report: dict) -> list[float]:
 
 
 def layer_passes(report: dict, k: int) -> int:
-    """Draft layer forwards per verify of a chain of k: k (a chained head, and reports from before
-    the field), or a block drafter's layers whatever k."""
+    """Draft layer forwards per verify of a chain of k: k steps of the head's layers (a chained
+    head; reports from before the field had one layer), or a block drafter's layers whatever k."""
     run = longest_chain(report)
-    return run["draft_layer_passes"] if run.get("block_drafter") else k
+    return run["draft_layer_passes"] if run.get("block_drafter") else k * stacked_layers(report)
+
+
+def stacked_layers(report: dict) -> int:
+    """A chained head's layers per draft step, from its longest chain's layer passes."""
+    run = longest_chain(report)
+    chain = len(run["accept_rate"])
+    return run.get("draft_layer_passes", chain) // chain
 
 
 def project(report: dict, costs: dict) -> dict:
@@ -97,7 +106,7 @@ def project(report: dict, costs: dict) -> dict:
     drafts = {
         b: {
             **{f"k={k}": v for k, v in row.items()},
-            **{n: tree_speedup(r, costs, b) for n, r in trees.items()},
+            **{n: tree_speedup(r, costs, b, stacked_layers(report)) for n, r in trees.items()},
         }
         for b, row in table.items()
     }

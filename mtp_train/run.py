@@ -109,11 +109,12 @@ def head_spec(model, target: TargetConfig, target_dir: Path) -> HeadSpec:
     if kind.blocks:
         mask = model.mask_token_id
         block = dict(
-            layers=model.draft_layers,
             block_size=model.block_size,
             mask_token_id=mask_token(target_dir, target) if mask is None else mask,
         )
-    return HeadSpec(model.variant, target, model.head_mlp, aux, draft_vocab, **block)
+    return HeadSpec(
+        model.variant, target, model.head_mlp, aux, draft_vocab, layers=model.draft_layers, **block
+    )
 
 
 def mask_token(target_dir: Path, target: TargetConfig) -> int:

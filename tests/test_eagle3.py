@@ -17,15 +17,18 @@ from safetensors.torch import load_file
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.draft import load_draft
 from inference_ref.generate import prefill
+from inference_ref.head_files import read_head_files
 from inference_ref.head_spec import HeadSpec, default_aux_layers
 from inference_ref.target import load_target
 from mtp_train.export import export
+from mtp_train.layer_names import EAGLE3_LATER_BLOCK
 from mtp_train.precompute import run_precompute
 from mtp_train.serving.layouts import (
     LayoutUnsupported,
     deepseek_mtp_export,
     eagle1_export,
     eagle3_export,
+    speculators_export,
 )
 from mtp_train.target_files import write_random_target
 from mtp_train.train import train
@@ -350,3 +353,42 @@ def test_eagle3_1_trains_serves_as_trained_and_exports_for_vllm(pipeline, tmp_pa
     assert all(torch.equal(held[f"fc_norm.{i}.weight"], norms[i]) for i in range(len(AUX)))
     with pytest.raises(ValueError, match="layout eagle3 is not listed for eagle3.1 heads"):
         export(config(eagle3_overrides(pipeline["cfg"].model.target, tmp_path, "model.variant=eagle3.1")))
+
+
+def test_a_stacked_eagle3_1_head_trains_serves_as_trained_and_round_trips(pipeline, tmp_path):
+    """model.draft_layers=2: a Llama layer over H after EAGLE-3's first, at every chained step (vLLM's
+    llama_eagle3.py, layer_idx ≥ 1). The serving draft agrees with the training module; the vllm
+    (EAGLE-3) layout holds `layers.1.*` with the unused hidden_norm vLLM loads strictly (ones), says
+    num_hidden_layers 2, and reads back as the native head (vLLM itself serves such a head in
+    tests/test_vllm.py). The kinds that cannot stack, and the speculators layout, refuse it."""
+    cfg = config(
+        eagle3_overrides(
+            pipeline["cfg"].model.target,
+            tmp_path,
+            "model.variant=eagle3.1",
+            "model.draft_layers=2",
+            f"precompute.store_dir={pipeline['store']}",
+            "export.formats=[native,vllm]",
+        )
+    )
+    train(cfg)
+    report = run_validation(cfg)
+    assert_serves_as_trained(report, k=2)
+    assert report["speculative"]["greedy"]["k=2"]["draft_layer_passes"] == 4  # two steps, two layers each
+    exported = export(cfg)
+    native = load_file(str(exported["native"] / "head.safetensors"))
+    later = {n for n in native if n.startswith("later_layers.")}
+    assert later == {f"later_layers.0.{n}" for n in EAGLE3_LATER_BLOCK}
+    assert native["later_layers.0.self_attn.q_proj.weight"].shape == (64, 64)  # reads H, not 2H
+    config_ = json.loads((exported["vllm"] / "config.json").read_text())
+    assert config_["num_hidden_layers"] == 2
+    held = load_file(str(exported["vllm"] / "model.safetensors"))
+    assert torch.equal(held["layers.1.hidden_norm.weight"], torch.ones(64))
+    assert torch.equal(held["layers.1.mlp.down_proj.weight"], native["later_layers.0.mlp.down_proj.weight"])
+    _, back = read_head_files(exported["vllm"])
+    assert sorted(back) == sorted(native) and all(torch.equal(back[n], native[n]) for n in native)
+    spec = HeadSpec("eagle3", tiny_llama(num_hidden_layers=4), aux_layers=AUX, layers=2)
+    with pytest.raises(LayoutUnsupported, match="stacks 2 layers"):
+        speculators_export({}, spec, {})
+    with pytest.raises(ValueError, match="eagle3 kinds may stack"):
+        HeadSpec("rmsnorm-restored", tiny_llama(), layers=2)

@@ -76,3 +76,8 @@ def test_a_block_drafter_pays_its_layers_once_per_verify():
     assert project({"speculative": {"greedy": {"k=4": chained}}}, COSTS)["speedup"]["4"]["k=1"] == (
         pytest.approx(tau(rates, 1) * 10 / 11.5, abs=1e-3)
     )
+    # a chained head of two stacked layers (8 passes for k = 4) pays two layer steps per draft token
+    stacked = {"accept_rate": rates, "draft_layer_passes": 8, "block_drafter": False}
+    assert project({"speculative": {"greedy": {"k=4": stacked}}}, COSTS)["speedup"]["4"]["k=1"] == (
+        pytest.approx(tau(rates, 1) * 10 / 12, abs=1e-3)
+    )

@@ -1,9 +1,10 @@
 """The real vLLM engine (its CPU build) serves every head kind we train (DESIGN.md "Serving"; #35).
 
 On the real SmolLM2-135M-Instruct target, fp32, greedy, the same prompt token ids, the same number
-of new tokens and the same chain length: for an eagle3, an eagle3.1, a rmsnorm-restored and an eagle1
-head, exported in the `vllm` layout (stock vLLM's EAGLE-3 class for eagle3 and eagle3.1, this
-package's plugin for the other two), vLLM loads exactly the exported tensors, its own spec-decode counters equal our loop's
+of new tokens and the same chain length: for an eagle3, a two-layer eagle3.1, a dflash, a
+rmsnorm-restored and an eagle1 head, exported in the `vllm` layout (stock vLLM's EAGLE-3 class for
+eagle3 and eagle3.1, its DFlash class for dflash, this package's plugin for the other two), vLLM
+loads exactly the exported tensors, its own spec-decode counters equal our loop's
 (`inference_ref.speculative.speculative_generate`: num_drafts = tried[0], accepted per position =
 accepted), and its speculative output equals its target-only output. A deliberately wrong export
 (the restored head with fc's halves swapped) loads and decodes losslessly but fails the comparison.
@@ -53,6 +54,10 @@ REPO = Path(__file__).resolve().parents[1]
 NUM_PROMPTS, MAX_NEW, K, DRAFT_VOCAB = 3, 24, 3, 2048
 KINDS = ("eagle3", "eagle3.1", "dflash", "rmsnorm-restored", "eagle1")
 KIND_SETTINGS = {
+    # eagle3.1 with a second (Llama) layer stacked after EAGLE-3's first: vLLM builds both
+    # (llama_eagle3.py num_hidden_layers); the published one-layer eagle3.1 head is served in
+    # tests/test_published_heads.py.
+    "eagle3.1": ("model.draft_layers=2",),
     # DFlash on the eagle3 store's layers (the references' layers would need a store of their own),
     # two draft layers, a block of the anchor and K masks: its k = K drafts are the block's rows.
     # It plateaus for ~50 steps (its masks reach the context only through attention, which must

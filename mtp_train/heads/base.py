@@ -30,6 +30,7 @@ class DraftHead(nn.Module):
         for name, module in spec.kind.math.own(spec).items():
             self.add_module(name, module)
         self.layer = self.build_layer(spec)
+        self.later_layers = nn.ModuleList(self.build_later_layers(spec))
         self.share(frozen, self.draft_vocabulary(draft_ids, always=spec.kind.always_d2t))
         self.reset_parameters()
 
@@ -37,10 +38,20 @@ class DraftHead(nn.Module):
         """The decoder layer: `(x, positions, segments, kv)` → y."""
         raise NotImplementedError
 
+    def build_later_layers(self, spec: HeadSpec) -> list[nn.Module]:
+        """Layers stacked after the first (`spec.layers` − 1 of them, for a kind that stacks):
+        `(y, positions, segments, kv)` → y. None by default."""
+        return []
+
     @classmethod
     def native_block(cls, spec: HeadSpec) -> tuple[Symbolic, dict[str, int]]:
         """The decoder layer's native names (under `layer.`) and the symbols of their shapes."""
         raise NotImplementedError
+
+    @classmethod
+    def native_later_block(cls, spec: HeadSpec) -> Symbolic:
+        """A later layer's native names (under `later_layers.<i>.`), shapes in `native_block`'s symbols."""
+        return {}
 
     def draft_vocabulary(self, draft_ids: torch.Tensor | None, always: bool) -> torch.Tensor | None:
         """Record the draft vocabulary (`draft_ids` [Vd], increasing target ids) as `d2t`, the
@@ -109,12 +120,16 @@ class DraftHead(nn.Module):
         hidden [T, H]: the target's h_i; token_ids [steps, T]: row j holds the token fed at depth
         j + 1 for position i (row 0 is t_{i+1}); positions [T]. Returns y [steps, T, H], pre-norm.
         Step j ≥ 1 reads step j-1's y at the same i, at rope position i + j, and attends to the
-        step-0 keys ≤ i plus its own chain's keys (as a draft's KV cache holds them when serving).
+        step-0 keys ≤ i plus its own chain's keys (as a draft's KV cache holds them when serving),
+        in each layer its own (a stacked head's later layers run after the first at every step).
         """
-        kv, ys, state = [], [], hidden
+        kv = [[] for _ in range(1 + len(self.later_layers))]  # per layer, every step's (k, v)
+        ys, state = [], hidden
         for j in range(steps):
             x = self.project(state, token_ids[j], first=(j == 0))
-            state = self.layer(x, positions + j, batch, kv)
+            state = self.layer(x, positions + j, batch, kv[0])
+            for layer, keys in zip(self.later_layers, kv[1:]):
+                state = layer(state, positions + j, batch, keys)
             ys.append(state)
         return torch.stack(ys)
 

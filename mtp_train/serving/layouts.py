@@ -27,6 +27,7 @@ from mtp_train.layer_names import (
     DEEPSEEK_STACKED_EXPERTS,
     DFLASH_LAYER,
     EAGLE3_BLOCK,
+    EAGLE3_LATER_BLOCK,
     LLAMA_BLOCK,
     Symbolic,
     Table,
@@ -116,6 +117,11 @@ def eagle1_export(tensors: Mapping[str, torch.Tensor], layer_config: dict, varia
 # `eagle_config.eagle_aux_hidden_state_layer_ids` and adds 1 (python/sglang/srt/models/llama.py
 # @ 00239548f1cd1a06ca145a5447a86738090a48f1: "for the ith layer, it takes the output of the (i-1)th
 # layer"), so that list is written one lower: both engines then capture the same states.
+# A stacked head's later layers (`HeadSpec.layers` > 1): vLLM builds `num_hidden_layers` layers, the
+# first under `midlayer.` / `layers.0.`, layer i ≥ 1 as `layers.<i>.*`, a Llama layer reading H whose
+# `hidden_norm` is built but unused and loaded strictly (so written as ones). SGLang refuses
+# `num_hidden_layers` ≠ 1 (llama_eagle3.py: "EAGLE3 currently only supports 1 layer").
+EAGLE3_LATER: Symbolic = {**EAGLE3_LATER_BLOCK, "hidden_norm.weight": ("H",)}
 EAGLE3_OWN: Symbolic = {"fc.weight": ("H", "nH"), "norm.weight": ("H",), "lm_head.weight": ("Vd", "H")}
 EAGLE3_VOCAB: Symbolic = {"d2t": ("Vd",), "t2d": ("V",)}  # only with a draft vocabulary (Vd < V)
 
@@ -145,6 +151,10 @@ def eagle3_tensors(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, layer_pr
     """The head's tensors under EAGLE-3 checkpoint names (layer under `layer_prefix`); d2t/t2d only
     with a draft vocabulary, as the EAGLE reference writes them (its loader deletes them otherwise)."""
     out = {f"{layer_prefix}{n[len('layer.') :]}": t for n, t in tensors.items() if n.startswith("layer.")}
+    for i in range(1, spec.layers):  # a stacked head's later layers, with the hidden_norm vLLM builds
+        prefix = f"later_layers.{i - 1}."
+        out.update({f"layers.{i}.{n[len(prefix) :]}": t for n, t in tensors.items() if n.startswith(prefix)})
+        out[f"layers.{i}.hidden_norm.weight"] = torch.ones_like(tensors[f"{prefix}input_layernorm.weight"])
     out.update({n: tensors[n] for n in ("fc.weight", "norm.weight", "lm_head.weight")})
     out.update({n: t for n, t in tensors.items() if n.startswith("fc_norm.")})  # EAGLE-3.1
     if spec.draft_vocab_size:
@@ -159,6 +169,7 @@ def eagle3_table(spec: HeadSpec, layer_prefix: str, extra: Symbolic | None = Non
     fc_norms = {n: s for n, s in spec.kind.math.native_names(spec).items() if n.startswith("fc_norm.")}
     symbolic = {
         **{layer_prefix + n: s for n, s in EAGLE3_BLOCK.items()},
+        **{f"layers.{i}.{n}": s for i in range(1, spec.layers) for n, s in EAGLE3_LATER.items()},
         **EAGLE3_OWN,
         **fc_norms,  # EAGLE-3.1
         **(extra or {}),
@@ -179,7 +190,7 @@ def eagle3_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity:
         **layer,
         "model_type": "llama",  # the draft layer is a Llama layer whatever the target (Qwen3 too)
         "architectures": ["LlamaForCausalLMEagle3"],
-        "num_hidden_layers": 1,
+        "num_hidden_layers": spec.layers,
         "draft_vocab_size": spec.vocab,
         "target_hidden_size": t.hidden_size,
         "tie_word_embeddings": False,
@@ -232,6 +243,11 @@ SPECULATIVE_TOKENS = 3  # the proposal's default chain length, which the serving
 
 def speculators_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: dict) -> EngineExport:
     _require_eagle3(spec, "speculators")
+    if spec.layers > 1:
+        raise LayoutUnsupported(
+            f"layout speculators: holds a one-layer EAGLE-3 head (as tested with speculators 0.9.0); this head "
+            f"stacks {spec.layers} layers: export.formats=[eagle3] or [vllm] (vLLM's Eagle3LlamaForCausalLM)"
+        )
     t = spec.target
     hf = t.to_hf()
     layer = {
