@@ -124,6 +124,7 @@ def main() -> None:
             "shape": args.shape,
             "context_tokens": CONTEXT,
             "measured_layers": depths,
+            "layers": cfg.num_hidden_layers,  # the shape's (what mtp_train.projection costs a layer by)
             "extrapolated": len(depths) == 2,
             "verify_ms": verify,
             "verify_ms_measured": {str(d): m for d, m in measured.items()} if len(depths) == 2 else None,

@@ -111,7 +111,7 @@ def native_from_eagle3(tensors: dict[str, torch.Tensor], vocab: int) -> dict[str
     for name, t in tensors.items():
         if name.startswith(EAGLE3_LAYER):
             out["layer." + name[len(EAGLE3_LAYER) :]] = t
-        elif name.startswith("layers."):
+        elif name.startswith("layers."):  # never layers.0: that layout is the plugin's
             i, rest = name[len("layers.") :].split(".", 1)
             if rest != "hidden_norm.weight":
                 out[f"later_layers.{int(i) - 1}.{rest}"] = t

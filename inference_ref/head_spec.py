@@ -21,6 +21,7 @@ eagle3 (EAGLE-3; Llama-kind targets):
     g = fc([a_1; …; a_n]) (the target's states entering the `aux_layers`, no bias; chained steps: g = y)
     y = g + attn([input_layernorm(embed(t_{i+1})); hidden_norm(g)]);  y += mlp(post_attention_layernorm(y))
     z = norm(y);  logits = lm_head_d(z) over the draft vocabulary (`d2t`: draft id → target id offset)
+    `layers` > 1: y passes on through `later_layers`, Llama layers over H, before norm and chaining
 
 `layer` is one decoder layer of the target's kind (`inference_ref.models.TARGET_KINDS`).
 
@@ -343,11 +344,14 @@ class HeadSpec:
 
     def check_block(self) -> None:
         if not self.kind.blocks:
-            if self.block_size != 0 or self.layers < 1 or (self.layers > 1 and not self.kind.stacks):
+            if self.block_size != 0:
                 raise ValueError(
-                    f"model.draft_layers / model.block_size: a {self.variant} head chains its steps "
-                    f"with one layer (eagle3 kinds may stack more); {self.layers} layers, block size "
-                    f"{self.block_size} are not one of its shapes"
+                    f"block_size={self.block_size}: a {self.variant} head chains its steps; blocks are dflash's"
+                )
+            if self.layers < 1 or (self.layers > 1 and not self.kind.stacks):
+                raise ValueError(
+                    f"model.draft_layers={self.layers}: a {self.variant} head chains the steps of one "
+                    "decoder layer (eagle3 and eagle3.1 heads may stack more)"
                 )
             return
         if self.layers < 1 or self.block_size < 2:

@@ -9,8 +9,10 @@ target-only decoding emits one token per one-token step, so
 
     speed-up(k, batch) = τ(k) · T_batch(1) / (T_batch(k + 1) + P(k) · D_batch)
 
-with P(k) the draft's decoder-layer forwards per verify (the report's `draft_layer_passes`): k for a
-chained head (k · L for one of L stacked layers); for a block drafter (DFlash) its layers, one forward of the whole block whatever k,
+with P(k) the draft's forwards per verify (from the report's `draft_layer_passes`): k for a chained
+head, each a measured draft step (fc, one layer, the lm_head) and, for L stacked layers, L − 1 more
+layers at the target's own per-layer cost (its one-token step less the draft step, over its other
+layers: the costs' `layers`); for a block drafter (DFlash) its layers, one forward of the whole block whatever k,
 each layer costed as a one-token one-layer step (small forwards are weight-read and launch bound);
 with τ(k) = 1 + Σ_{j ≤ k} Π_{i ≤ j} a_i from the greedy per-position acceptance a_i (conditional
 on the drafts before it, so one measured chain gives τ for every shorter one). A greedy EAGLE-2 tree
@@ -39,11 +41,33 @@ def tau(rates: list[float], k: int) -> float:
     return total
 
 
-def speedup(rates: list[float], k: int, costs: dict, batch: str, passes: int | None = None) -> float:
-    """`passes`: draft layer forwards per verify (None: k, a chained head's)."""
+def speedup(
+    rates: list[float], k: int, costs: dict, batch: str, passes: int | None = None, layers: int = 1
+) -> float:
+    """`passes`: draft forwards per verify (None: k, a chained head's), of `layers` layers each."""
     verify = costs["verify_ms"][batch]
-    step = verify[str(k + 1)] + (k if passes is None else passes) * costs["draft_step_ms"][batch]
+    step = verify[str(k + 1)] + draft_ms(costs, batch, k if passes is None else passes, layers)
     return tau(rates, k) * verify["1"] / step
+
+
+def draft_ms(costs: dict, batch: str, forwards: int, layers: int = 1) -> float:
+    """`forwards` draft forwards of `layers` decoder layers each: the measured draft step (fc, one
+    layer, the lm_head), plus each further layer at the target's per-layer cost."""
+    step = costs["draft_step_ms"][batch]
+    if layers > 1:
+        step += (layers - 1) * layer_ms(costs, batch)
+    return forwards * step
+
+
+def layer_ms(costs: dict, batch: str) -> float:
+    """One decoder layer of the target's shape at this batch: its one-token step less the draft
+    step (which has the lm_head and one layer), over its other layers."""
+    if "layers" not in costs:
+        raise ValueError(
+            f"verify costs of {costs.get('shape')}: no 'layers' (the target's decoder layers), which a "
+            "stacked head's extra layers are costed by: re-run benchmarks.bench_verify_cost"
+        )
+    return (costs["verify_ms"][batch]["1"] - costs["draft_step_ms"][batch]) / (costs["layers"] - 1)
 
 
 def verify_ms(costs: dict, batch: str, tokens: int) -> float:
@@ -60,9 +84,8 @@ def verify_ms(costs: dict, batch: str, tokens: int) -> float:
 
 def tree_speedup(run: dict, costs: dict, batch: str, layers: int = 1) -> float:
     """A greedy tree's measured τ against one verify of its nodes + 1 tokens and `depth` draft
-    steps of `layers` layers each."""
-    draft = run["depth"] * layers * costs["draft_step_ms"][batch]
-    step = verify_ms(costs, batch, run["verify_tokens"]) + draft
+    forwards of `layers` layers each."""
+    step = verify_ms(costs, batch, run["verify_tokens"]) + draft_ms(costs, batch, run["depth"], layers)
     return run["mean_accepted_len"] * costs["verify_ms"][batch]["1"] / step
 
 
@@ -77,18 +100,14 @@ def greedy_rates(report: dict) -> list[float]:
     return longest_chain(report)["accept_rate"]
 
 
-def layer_passes(report: dict, k: int) -> int:
-    """Draft layer forwards per verify of a chain of k: k steps of the head's layers (a chained
-    head; reports from before the field had one layer), or a block drafter's layers whatever k."""
-    run = longest_chain(report)
-    return run["draft_layer_passes"] if run.get("block_drafter") else k * stacked_layers(report)
-
-
-def stacked_layers(report: dict) -> int:
-    """A chained head's layers per draft step, from its longest chain's layer passes."""
-    run = longest_chain(report)
+def draft_shape(run: dict, k: int) -> tuple[int, int]:
+    """(forwards, layers each) per verify of a chain of k, from a report's run: a block drafter's
+    layers once whatever k (each costed as a one-layer step), or k steps of a chained head's layers
+    (its `draft_layer_passes` over its chain; reports from before the field had one layer)."""
+    if run.get("block_drafter"):
+        return run["draft_layer_passes"], 1
     chain = len(run["accept_rate"])
-    return run.get("draft_layer_passes", chain) // chain
+    return k, run.get("draft_layer_passes", chain) // chain
 
 
 def project(report: dict, costs: dict) -> dict:
@@ -99,14 +118,17 @@ def project(report: dict, costs: dict) -> dict:
     chains = [k for k in range(1, len(rates) + 1) if str(k + 1) in measured]
     trees = {n: r for n, r in report["speculative"]["greedy"].items() if r.get("draft") == "tree"}
     table = {
-        b: {k: speedup(rates, k, costs, b, layer_passes(report, k)) for k in chains}
+        b: {k: speedup(rates, k, costs, b, *draft_shape(longest_chain(report), k)) for k in chains}
         for b in costs["verify_ms"]
     }
     best = {b: max(row, key=row.get) for b, row in table.items()}
     drafts = {
         b: {
             **{f"k={k}": v for k, v in row.items()},
-            **{n: tree_speedup(r, costs, b, stacked_layers(report)) for n, r in trees.items()},
+            **{
+                n: tree_speedup(r, costs, b, draft_shape(longest_chain(report), 1)[1])
+                for n, r in trees.items()
+            },
         }
         for b, row in table.items()
     }
@@ -130,7 +152,7 @@ def check(report: dict, costs: dict) -> dict | None:
         k = len(run["accept_rate"])
         if not run.get("cuda_graph") or str(k + 1) not in costs["verify_ms"][batch]:
             continue
-        projected = speedup(run["accept_rate"], k, costs, batch)
+        projected = speedup(run["accept_rate"], k, costs, batch, *draft_shape(run, k))
         measured = run["speedup_vs_target_only"]
         out[name] = {"projected": projected, "measured": measured, "error": projected / measured - 1}
     return out or None

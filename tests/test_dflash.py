@@ -300,5 +300,5 @@ def test_dflash_refusals_name_the_fix(pipeline, tmp_path):
         export(config(pipeline_overrides(target, pipeline["cfg"].run_dir, "export.formats=[eagle3]")))
     with pytest.raises(ValueError, match="a block of ≥ 2 tokens"):
         HeadSpec("dflash", small_target().cfg, aux_layers=(1,), layers=1, block_size=1)
-    with pytest.raises(ValueError, match="not one of its shapes"):  # a block is dflash's
+    with pytest.raises(ValueError, match="blocks are dflash's"):
         HeadSpec("eagle3", small_target().cfg, aux_layers=(1,), block_size=4)

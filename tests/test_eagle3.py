@@ -28,6 +28,7 @@ from mtp_train.serving.layouts import (
     deepseek_mtp_export,
     eagle1_export,
     eagle3_export,
+    eagle3_layout,
     speculators_export,
 )
 from mtp_train.target_files import write_random_target
@@ -390,5 +391,58 @@ def test_a_stacked_eagle3_1_head_trains_serves_as_trained_and_round_trips(pipeli
     spec = HeadSpec("eagle3", tiny_llama(num_hidden_layers=4), aux_layers=AUX, layers=2)
     with pytest.raises(LayoutUnsupported, match="stacks 2 layers"):
         speculators_export({}, spec, {})
-    with pytest.raises(ValueError, match="eagle3 kinds may stack"):
-        HeadSpec("rmsnorm-restored", tiny_llama(), layers=2)
+    for kind in ("rmsnorm-restored", "eagle1"):
+        with pytest.raises(ValueError, match="eagle3 and eagle3.1 heads may stack more"):
+            HeadSpec(kind, tiny_llama(), layers=2)
+    with pytest.raises(LayoutUnsupported, match=r"export.formats=\[vllm\]"):  # SGLang, TensorRT-LLM
+        eagle3_layout({}, spec, {})
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+def test_stacked_chained_steps_equal_the_training_head(variant, tmp_path):
+    """Two stacked layers, chained from several bases at once: every step of the serving draft (one
+    cache layer per decoder layer, shifted) equals the training head's unrolled steps (one chain KV
+    per layer), states and logits."""
+    from inference_ref.causal_lm import packed_positions
+    from inference_ref.generate import at_positions
+    from inference_ref.models import TARGET_KINDS
+    from mtp_train.export import save_head
+    from mtp_train.head_attention import Segments
+    from mtp_train.heads import build
+
+    cfg = tiny_llama(num_hidden_layers=4)
+    target = TARGET_KINDS["llama"].random(cfg, "cpu", torch.float32, 0)
+    frozen = {
+        "model.embed_tokens.weight": target.embed_tokens.weight,
+        "model.norm.weight": target.norm.weight,
+        "lm_head.weight": target.lm_head.weight,
+    }
+    head = build(HeadSpec(variant, cfg, aux_layers=tuple(AUX), layers=2), frozen)
+    torch.manual_seed(1)
+    with torch.no_grad():  # away from the initial norms of one and small linears
+        for name, p in head.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    steps, n = 3, 16
+    seq = torch.randint(0, cfg.vocab_size, (n + steps,), generator=torch.Generator().manual_seed(1))
+    cu = cu_seqlens_of([n])
+    hidden, _ = target.forward_packed(seq[:n], cu, capture=tuple(AUX))
+    tokens = torch.stack([seq[1 + j : n + 1 + j] for j in range(steps)])
+    with torch.no_grad():
+        ref_y = head(hidden.clone(), tokens, packed_positions(cu, n), Segments(cu, n), steps)
+        ref_logits = head.logits(head.output_state(ref_y))
+
+    identity = {"path": "", "config_hash": cfg.fingerprint()}
+    draft = load_draft(save_head(head, tmp_path / "head", identity, {}, torch.float32), target)
+    assert len(draft.later_layers) == 1
+    bases = torch.tensor([0, 3, 9, n - 1])
+    cache = draft.new_cache(len(bases), n + steps)
+    y = at_positions(
+        draft.prefill(hidden.expand(len(bases), n, -1), tokens[0].expand(len(bases), n), cache), bases
+    )
+    cache.lengths = bases + 1
+    for step in range(1, steps):
+        y = draft.chain(y, tokens[step, bases], cache, step)
+        scale = ref_y[step, bases].abs().max()
+        assert (y - ref_y[step, bases]).abs().max() <= 1e-4 * scale
+        logits = ref_logits[step, bases]
+        assert (draft.logits(y) - logits).abs().max() <= 1e-4 * logits.abs().max()

@@ -9,8 +9,9 @@ import pytest
 
 from mtp_train.projection import check, project, speedup, tau, verify_ms
 
-COSTS = {  # a verify costs 10 ms for one token, +1 ms per extra token; a draft step 0.5 ms
+COSTS = {  # a verify costs 10 ms for one token, +1 ms per extra token; a draft step 0.5 ms; 20 layers
     "shape": "made_up",
+    "layers": 20,
     "verify_ms": {"4": {str(n): 10.0 + (n - 1) for n in range(1, 7)}},
     "draft_step_ms": {"4": 0.5},
 }
@@ -76,8 +77,23 @@ def test_a_block_drafter_pays_its_layers_once_per_verify():
     assert project({"speculative": {"greedy": {"k=4": chained}}}, COSTS)["speedup"]["4"]["k=1"] == (
         pytest.approx(tau(rates, 1) * 10 / 11.5, abs=1e-3)
     )
-    # a chained head of two stacked layers (8 passes for k = 4) pays two layer steps per draft token
+
+
+def test_a_stacked_head_pays_its_extra_layers_at_the_targets_layer_cost():
+    """Two stacked layers (8 passes for k = 4): each draft token is a draft step (0.5 ms: fc, one
+    layer, the lm_head) plus one layer of the target's shape, (10 − 0.5) / (20 − 1) = 0.5 ms; a
+    tree's depth pays the same; `check` costs it alike; costs without `layers` are refused by name."""
+    rates = [0.9, 0.8, 0.2, 0.1]
     stacked = {"accept_rate": rates, "draft_layer_passes": 8, "block_drafter": False}
-    assert project({"speculative": {"greedy": {"k=4": stacked}}}, COSTS)["speedup"]["4"]["k=1"] == (
-        pytest.approx(tau(rates, 1) * 10 / 12, abs=1e-3)
-    )
+    tree = {"draft": "tree", "verify_tokens": 9, "depth": 3, "mean_accepted_len": 3.5}
+    figures = project({"speculative": {"greedy": {"k=4": stacked, "tree n=8": tree}}}, COSTS)
+    assert figures["speedup"]["4"]["k=1"] == pytest.approx(tau(rates, 1) * 10 / (11 + 1.0), abs=1e-3)
+    assert figures["speedup"]["4"]["k=4"] == pytest.approx(tau(rates, 4) * 10 / (14 + 4.0), abs=1e-3)
+    assert figures["speedup"]["4"]["tree n=8"] == pytest.approx(3.5 * 10 / (18 + 3.0), abs=1e-3)
+    measured = {**stacked, "cuda_graph": True, "speedup_vs_target_only": 1.0}
+    checked = check({"batch_size": 4, "speculative": {"greedy": {"k=4": measured}}}, COSTS)
+    assert checked["k=4"]["projected"] == pytest.approx(tau(rates, 4) * 10 / 18)
+    with pytest.raises(ValueError, match="no 'layers'"):
+        project(
+            {"speculative": {"greedy": {"k=4": stacked}}}, {k: v for k, v in COSTS.items() if k != "layers"}
+        )

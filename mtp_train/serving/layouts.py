@@ -117,10 +117,11 @@ def eagle1_export(tensors: Mapping[str, torch.Tensor], layer_config: dict, varia
 # `eagle_config.eagle_aux_hidden_state_layer_ids` and adds 1 (python/sglang/srt/models/llama.py
 # @ 00239548f1cd1a06ca145a5447a86738090a48f1: "for the ith layer, it takes the output of the (i-1)th
 # layer"), so that list is written one lower: both engines then capture the same states.
-# A stacked head's later layers (`HeadSpec.layers` > 1): vLLM builds `num_hidden_layers` layers, the
-# first under `midlayer.` / `layers.0.`, layer i ≥ 1 as `layers.<i>.*`, a Llama layer reading H whose
-# `hidden_norm` is built but unused and loaded strictly (so written as ones). SGLang refuses
-# `num_hidden_layers` ≠ 1 (llama_eagle3.py: "EAGLE3 currently only supports 1 layer").
+# A stacked head's later layers (`HeadSpec.layers` > 1), in the `vllm` layout only: vLLM builds
+# `num_hidden_layers` layers, the first under `midlayer.` / `layers.0.`, layer i ≥ 1 as `layers.<i>.*`,
+# a Llama layer reading H whose `hidden_norm` is built but unused and loaded strictly (so written as
+# ones). SGLang refuses `num_hidden_layers` ≠ 1 (llama_eagle3.py: "EAGLE3 currently only supports 1
+# layer"), and TensorRT-LLM names several layers `midlayer.<i>.*`: the `eagle3` layout refuses them.
 EAGLE3_LATER: Symbolic = {**EAGLE3_LATER_BLOCK, "hidden_norm.weight": ("H",)}
 EAGLE3_OWN: Symbolic = {"fc.weight": ("H", "nH"), "norm.weight": ("H",), "lm_head.weight": ("Vd", "H")}
 EAGLE3_VOCAB: Symbolic = {"d2t": ("Vd",), "t2d": ("V",)}  # only with a draft vocabulary (Vd < V)
@@ -179,9 +180,20 @@ def eagle3_table(spec: HeadSpec, layer_prefix: str, extra: Symbolic | None = Non
     return resolve(symbolic, eagle3_dims(spec))
 
 
+def eagle3_layout(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: dict) -> EngineExport:
+    """The `eagle3` layout: for the three engines, so one layer."""
+    _require_eagle3(spec, "eagle3")
+    if spec.layers > 1:
+        raise LayoutUnsupported(
+            f"layout eagle3: SGLang and TensorRT-LLM load one EAGLE-3 layer; this head stacks {spec.layers}: "
+            "export.formats=[vllm] (vLLM's Eagle3LlamaForCausalLM builds them all)"
+        )
+    return eagle3_export(tensors, spec, identity)
+
+
 def eagle3_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: dict) -> EngineExport:
-    """The eagle3 head as SGLang / vLLM / TensorRT-LLM `LlamaForCausalLMEagle3` load it. The
-    embeddings are the target's in all three (not written)."""
+    """The eagle3 head as SGLang / vLLM / TensorRT-LLM `LlamaForCausalLMEagle3` load it (a stacked
+    head's later layers as vLLM's). The embeddings are the target's in all three (not written)."""
     _require_eagle3(spec, "eagle3")
     t = spec.target
     dropped = ("bos_token_id", "eos_token_id", "use_sliding_window")  # the target's, not the draft layer's
@@ -246,7 +258,7 @@ def speculators_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, iden
     if spec.layers > 1:
         raise LayoutUnsupported(
             f"layout speculators: holds a one-layer EAGLE-3 head (as tested with speculators 0.9.0); this head "
-            f"stacks {spec.layers} layers: export.formats=[eagle3] or [vllm] (vLLM's Eagle3LlamaForCausalLM)"
+            f"stacks {spec.layers} layers: export.formats=[vllm] (vLLM's Eagle3LlamaForCausalLM)"
         )
     t = spec.target
     hf = t.to_hf()
@@ -599,7 +611,7 @@ LAYOUTS: dict[str, Exporter] = {
     "deepseek_mtp": lambda tensors, spec, identity: deepseek_mtp_export(
         tensors, whole_vocabulary(spec, "deepseek_mtp").target.to_hf(), spec.variant
     ),
-    "eagle3": eagle3_export,
+    "eagle3": eagle3_layout,
     "speculators": speculators_export,
     "vllm": vllm_export,
 }
