@@ -153,61 +153,23 @@ def generate(
     capture, room = (states.capture, states.room) if states else ((), 0)
     cache, hidden = prefill(model, prompts, max(len(p) for p in prompts) + max_new_tokens + room, capture)
     token = sample(last_logits(model, hidden, cache.lengths), temperature, generator)
-    device = token.device
     outputs: list[list[int]] = [[] for _ in prompts]
     active = [True] * len(prompts)
-    # The rows' state on the device too, so that a step commits without waiting for the host:
-    # tokens appended, and finished (EOS or the limit; a loop is only seen on the host, below).
-    eos_ids_ = torch.tensor(sorted(eos), dtype=token.dtype, device=device)
-    count = torch.zeros(len(prompts), dtype=torch.long, device=device)
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    to_host = ToHost(len(prompts), device)
     decode = DecodeStep(model, cache, capture=capture)  # a CUDA graph on GPU, the eager step elsewhere
     if states:
         states.start(model, cache, hidden)
     while True:
-        count += ~done
-        done |= torch.isin(token, eos_ids_) | (count >= max_new_tokens)
-        to_host.start(token)
-        # The next step goes to the GPU before the host reads this one's tokens, so the host's
-        # bookkeeping runs under it. Every row steps (one batched forward); only active rows
-        # commit, so a finished row keeps rewriting the same scratch slot and never grows past the
-        # cache. Once every row is done this step was one too many: it committed nothing.
+        for b, t in enumerate(token.tolist()):
+            if active[b]:
+                active[b] = not append_until_done(outputs[b], [t], eos, max_new_tokens)
+                if active[b] and loops:
+                    active[b] = not loops[b].repeats(outputs[b])
+        if not any(active):
+            return outputs
+        # Every row steps (one batched forward); only active rows commit, so a finished row keeps
+        # rewriting the same scratch slot and never grows past the cache.
         logits = decode(token[:, None])
         if states:
             states.steps.append(decode.hidden[:, -1].clone())  # a graph's buffer is refilled next step
-        cache.lengths += ~done
-        looped = []
-        for b, t in enumerate(to_host.get()):
-            if active[b]:
-                active[b] = not append_until_done(outputs[b], [t], eos, max_new_tokens)
-                if active[b] and loops and loops[b].repeats(outputs[b]):
-                    active[b] = False
-                    looped.append(b)
-        if looped:  # seen a step late: undo the commit the step above made for those rows
-            rows = torch.tensor(looped, device=device)
-            done[rows] = True
-            cache.lengths[rows] -= 1
-        if not any(active):
-            return outputs
+        cache.lengths += torch.tensor(active, device=token.device)
         token = sample(logits, temperature, generator)
-
-
-class ToHost:
-    """Token ids [B] copied to the host without waiting for the device: `start` queues the copy
-    behind the work that makes them, `get` waits for that copy only, not for work queued after it."""
-
-    def __init__(self, n: int, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.buffer = torch.empty(n, dtype=torch.long, pin_memory=self.cuda)
-        self.copied = torch.cuda.Event() if self.cuda else None
-
-    def start(self, ids: torch.Tensor) -> None:
-        self.buffer.copy_(ids, non_blocking=self.cuda)
-        if self.copied is not None:
-            self.copied.record()
-
-    def get(self) -> list[int]:
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.buffer.tolist()
