@@ -2,7 +2,9 @@
 eager, then compiled) vs transformers' `generate`, same weights, same prompts, same number of new
 tokens, one run. Each is warmed up at the measured batch first. Ours also reports where one call's
 time goes: the prefill, building the graphed step (warm-ups and capture), one replayed step, and
-the kernels one step launches when it is not graphed.
+the kernels one step launches when it is not graphed; and the call's decode steps alone (its
+prefill and graph build taken out) against HF's (its call less a one-token call), whose difference
+from the replayed step is the host's work per step (#36: ≤ 0.5 ms, decode ≥ 10× HF).
 
     python -m benchmarks.bench_decode --shape smollm2_135m --batch 64 512 --new 160
 """
@@ -95,11 +97,17 @@ def measure(model, prompts: list[list[int]], new: int) -> dict:
     batch = len(prompts)
     warm = timed(lambda: generate(model, prompts, 8, eos_ids=[]))  # compiles, if compiled
     seconds = timed(lambda: generate(model, prompts, new, eos_ids=[]))
+    split = phases(model, prompts, new)
+    # The call's decode steps alone (its prefill and graph build, measured apart, taken out): what
+    # a step costs with the host's work between replays, against the replayed step alone.
+    decode_step = (seconds * 1e3 - split["prefill_ms"] - split["build_graphed_step_ms"]) / (new - 1)
     return {
         "warm_up_s": warm,
         "new_tokens_per_s": batch * new / seconds,
         "step_ms_incl_host": seconds * 1e3 / new,
-        **phases(model, prompts, new),
+        "decode_step_ms": decode_step,
+        "host_ms_per_step": decode_step - split["graphed_step_ms"],
+        **split,
     }
 
 
@@ -128,11 +136,13 @@ def main() -> None:
         if hf is not None:
             run_hf(hf, prompts, 8)
             theirs = run_hf(hf, prompts, args.new)
+            first = run_hf(hf, prompts, 1)  # its prefill and first token: the rest is decode steps
             row["hf_generate_new_tokens_per_s"] = batch * args.new / theirs
+            row["hf_decode_step_ms"] = (theirs - first) * 1e3 / (args.new - 1)
             for variant in args.variants:
-                row[variant]["speedup"] = (
-                    row[variant]["new_tokens_per_s"] / row["hf_generate_new_tokens_per_s"]
-                )
+                ours = row[variant]
+                ours["speedup"] = ours["new_tokens_per_s"] / row["hf_generate_new_tokens_per_s"]
+                ours["decode_speedup"] = row["hf_decode_step_ms"] / ours["decode_step_ms"]
         print(row, flush=True)
         rows.append(row)
     write_result(
