@@ -7,10 +7,11 @@
 A chained step reads its own y as g (no fc), as the EAGLE reference and the engines run it. With
 `spec.layers` > 1, Llama layers over H follow the first at every step (vLLM's `llama_eagle3.py`:
 layer i ≥ 1 reads the previous layer's output, its residual fused into input_layernorm); y is the
-last one's output. What is trained: fc, the layers, the norms. What is frozen: the target's embeddings, and the lm_head, whose
-rows for the draft vocabulary (`d2t`) are the draft's lm_head: the draft then scores exactly the
-target's restricted distribution that EAGLE-3's loss trains toward, the loss keeps its chunked
-form (one frozen matrix), and a 32k × H lm_head adds nothing to the optimizer (docs/design.md).
+last one's output. What is trained: fc, the layers, the norms. What is frozen: the target's
+embeddings, and the lm_head, whose rows for the draft vocabulary (`d2t`) are the draft's lm_head:
+the draft then scores exactly the target's restricted distribution that EAGLE-3's loss trains
+toward, the loss keeps its chunked form (one frozen matrix), and a 32k × H lm_head adds nothing to
+the optimizer (docs/design.md).
 """
 
 from __future__ import annotations
