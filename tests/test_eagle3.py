@@ -398,11 +398,11 @@ def test_a_stacked_eagle3_1_head_trains_serves_as_trained_and_round_trips(pipeli
         eagle3_layout({}, spec, {})
 
 
-@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
-def test_stacked_chained_steps_equal_the_training_head(variant, tmp_path):
+@pytest.mark.parametrize("variant,kind", [("eagle3", "llama"), ("eagle3.1", "llama"), ("eagle3.1", "qwen3")])
+def test_stacked_chained_steps_equal_the_training_head(variant, kind, tmp_path):
     """Two stacked layers, chained from several bases at once: every step of the serving draft (one
     cache layer per decoder layer, shifted) equals the training head's unrolled steps (one chain KV
-    per layer), states and logits."""
+    per layer), states and logits; on a Qwen3 target too (its draft layers are Llama's)."""
     from inference_ref.causal_lm import packed_positions
     from inference_ref.generate import at_positions
     from inference_ref.models import TARGET_KINDS
@@ -410,8 +410,9 @@ def test_stacked_chained_steps_equal_the_training_head(variant, tmp_path):
     from mtp_train.head_attention import Segments
     from mtp_train.heads import build
 
-    cfg = tiny_llama(num_hidden_layers=4)
-    target = TARGET_KINDS["llama"].random(cfg, "cpu", torch.float32, 0)
+    registry = TARGET_KINDS[kind]
+    cfg = registry.config(**{"vocab_size": 256, **registry.tiny, "num_hidden_layers": 4})
+    target = registry.random(cfg, "cpu", torch.float32, 0)
     frozen = {
         "model.embed_tokens.weight": target.embed_tokens.weight,
         "model.norm.weight": target.norm.weight,
