@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import mtp_train.export as ex
 from inference_ref.causal_lm import cu_seqlens_of, packed_positions
 from inference_ref.draft import MTPDraft, load_draft
-from inference_ref.generate import at_positions, generate
+from inference_ref.generate import generate
 from inference_ref.head_spec import HeadSpec
 from inference_ref.models import TARGET_KINDS
 from inference_ref.models import deepseek_v2 as ds
@@ -35,7 +35,7 @@ from mtp_train.serving.layouts import deepseek_is_moe, deepseek_mtp_table
 from mtp_train.target_files import target_identity, write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation
-from tiny import assert_serves_as_trained
+from tiny import assert_chains_match_training, assert_serves_as_trained, rel_err
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ["rmsnorm-restored", "eagle1"]
@@ -70,10 +70,6 @@ def serve(head: MTPHead, target: DeepseekV2Model, tmp_path: Path) -> MTPDraft:
     """Through the native format: the trainer's writer, the server's reader."""
     identity = {"path": "", "config_hash": target.cfg.fingerprint()}
     return load_draft(ex.save_head(head, tmp_path / "head", identity, {}, torch.float32), target)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
 # ---------------------------------------------------------------- train/serve parity of the head
@@ -124,16 +120,7 @@ def test_chained_steps_equal_training_head(variant, mlp, tmp_path):
         ref_y = head(hidden.clone(), tokens, packed_positions(cu, n), Segments(cu, n), steps)
         ref_logits = head.logits(head.output_state(ref_y))
 
-    draft = serve(head, target, tmp_path)
-    bases = torch.tensor([0, 3, 9, n - 1])
-    cache = draft.new_cache(len(bases), n + steps)
-    y = draft.prefill(hidden.expand(len(bases), n, -1), tokens[0].expand(len(bases), n), cache)
-    y = at_positions(y, bases)
-    cache.lengths = bases + 1
-    for step in range(1, steps):
-        y = draft.chain(y, tokens[step, bases], cache, step)
-        assert rel_err(y, ref_y[step, bases]) <= 1e-4
-        assert rel_err(draft.logits(y), ref_logits[step, bases]) <= 1e-4
+    assert_chains_match_training(serve(head, target, tmp_path), hidden, tokens, ref_y, ref_logits)
 
 
 # ---------------------------------------------------------------- greedy: identical to the target alone

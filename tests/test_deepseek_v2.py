@@ -24,7 +24,7 @@ from inference_ref.models.deepseek_v2 import DeepseekV2Config, YarnScaling, load
 from inference_ref.models.deepseek_v2 import moe as moe_module
 from inference_ref.models.llama import LlamaConfig
 from inference_ref.speculative import Chain, speculative_generate
-from tiny import tiny_deepseek
+from tiny import rel_err, tiny_deepseek
 
 # The registry's tiny shape with more layers and experts, and YaRN past the test sequences.
 VARIED = dict(
@@ -54,10 +54,6 @@ CONFIGS = {
         routed_scaling_factor=4.0,
     ),
 }
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
 def hf_random(cfg: DeepseekV2Config, seed: int) -> transformers.DeepseekV2ForCausalLM:

@@ -27,14 +27,10 @@ from mtp_train.serving.layouts import to_deepseek_mtp
 from mtp_train.target_files import write_random_target
 from mtp_train.train import build_head, train
 from mtp_train.validate import run_validation
-from tiny import assert_tau_consistent
+from tiny import assert_tau_consistent, rel_err
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = DeepseekV3Config(vocab_size=256, **TARGET_KINDS["deepseek_v3"].tiny)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
 @pytest.fixture(scope="module")

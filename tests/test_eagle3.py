@@ -34,7 +34,13 @@ from mtp_train.serving.layouts import (
 from mtp_train.target_files import write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation
-from tiny import assert_serves_as_trained, assert_tau_consistent, tiny_deepseek, tiny_llama
+from tiny import (
+    assert_chains_match_training,
+    assert_serves_as_trained,
+    assert_tau_consistent,
+    tiny_deepseek,
+    tiny_llama,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO / "tests" / "data" / "gsm8k_64.jsonl"
@@ -404,7 +410,6 @@ def test_stacked_chained_steps_equal_the_training_head(variant, kind, tmp_path):
     cache layer per decoder layer, shifted) equals the training head's unrolled steps (one chain KV
     per layer), states and logits; on a Qwen3 target too (its draft layers are Llama's)."""
     from inference_ref.causal_lm import packed_positions
-    from inference_ref.generate import at_positions
     from inference_ref.models import TARGET_KINDS
     from mtp_train.export import save_head
     from mtp_train.head_attention import Segments
@@ -435,15 +440,4 @@ def test_stacked_chained_steps_equal_the_training_head(variant, kind, tmp_path):
     identity = {"path": "", "config_hash": cfg.fingerprint()}
     draft = load_draft(save_head(head, tmp_path / "head", identity, {}, torch.float32), target)
     assert len(draft.later_layers) == 1
-    bases = torch.tensor([0, 3, 9, n - 1])
-    cache = draft.new_cache(len(bases), n + steps)
-    y = at_positions(
-        draft.prefill(hidden.expand(len(bases), n, -1), tokens[0].expand(len(bases), n), cache), bases
-    )
-    cache.lengths = bases + 1
-    for step in range(1, steps):
-        y = draft.chain(y, tokens[step, bases], cache, step)
-        scale = ref_y[step, bases].abs().max()
-        assert (y - ref_y[step, bases]).abs().max() <= 1e-4 * scale
-        logits = ref_logits[step, bases]
-        assert (draft.logits(y) - logits).abs().max() <= 1e-4 * logits.abs().max()
+    assert_chains_match_training(draft, hidden, tokens, ref_y, ref_logits)

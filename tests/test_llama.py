@@ -21,7 +21,7 @@ from inference_ref.models.llama import (
     random_llama,
 )
 from mtp_train.demo_target import smollm2_gguf
-from tiny import tiny_llama
+from tiny import rel_err, tiny_llama
 
 TEXT = (
     "The Eiffel Tower was built for the 1889 World's Fair in Paris. At first many artists "
@@ -42,10 +42,6 @@ TINY_CONFIGS = {
         rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=32),
     ),
 }
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
 def hf_twin(model: LlamaModel) -> transformers.LlamaForCausalLM:

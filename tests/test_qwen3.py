@@ -24,7 +24,7 @@ from mtp_train.precompute import run_precompute
 from mtp_train.target_files import write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation
-from tiny import assert_serves_as_trained
+from tiny import assert_serves_as_trained, rel_err
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {
@@ -43,10 +43,6 @@ HF_CLASSES = {
     "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
     "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig),
 }
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
 @pytest.fixture(params=list(CONFIGS))

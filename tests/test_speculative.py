@@ -16,13 +16,13 @@ from safetensors.torch import save_file
 from inference_ref import speculative
 from inference_ref.causal_lm import cu_seqlens_of, packed_positions
 from inference_ref.draft import MTPDraft, load_draft
-from inference_ref.generate import at_positions, generate
+from inference_ref.generate import generate
 from inference_ref.models.llama import LlamaModel, load_llama, random_llama
 from inference_ref.speculative import Chain, speculative_generate
 from inference_ref.tree import TreeShape
 from mtp_train.head_attention import Segments
 from mtp_train.heads import HeadSpec, MTPHead
-from tiny import tiny_llama
+from tiny import assert_chains_match_training, rel_err, tiny_llama
 
 VARIANTS = ["rmsnorm-restored", "eagle1"]
 
@@ -114,10 +114,6 @@ def serve(head: MTPHead, target: LlamaModel, tmp_path: Path) -> MTPDraft:
     return load_draft(export_native(head, tmp_path / "head"), target)
 
 
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_target) -> LlamaModel:
     return load_llama(tiny_target)
@@ -175,18 +171,7 @@ def test_chained_steps_equal_training_head(variant, tiny, tmp_path):
     head = random_head(tiny, variant, seed=1)
     ref_y, ref_logits = training_outputs(head, hidden.clone(), tokens, [n], steps)
 
-    draft = serve(head, tiny, tmp_path)
-    bases = torch.tensor([0, 3, 9, n - 1])
-    cache = draft.new_cache(len(bases), n + steps)
-    # Every row holds the whole sequence; committing only 0 … i makes the rest scratch.
-    y = at_positions(
-        draft.prefill(hidden.expand(len(bases), n, -1), tokens[0].expand(len(bases), n), cache), bases
-    )
-    cache.lengths = bases + 1
-    for step in range(1, steps):
-        y = draft.chain(y, tokens[step, bases], cache, step)
-        assert rel_err(y, ref_y[step, bases]) <= 1e-4
-        assert rel_err(draft.logits(y), ref_logits[step, bases]) <= 1e-4
+    assert_chains_match_training(serve(head, tiny, tmp_path), hidden, tokens, ref_y, ref_logits)
 
 
 def test_draft_prefill_alignment_on_five_tokens(tmp_path):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import math
 
+import torch
+
+from inference_ref.generate import at_positions
 from inference_ref.models import TARGET_KINDS
 from inference_ref.models.deepseek_v2 import DeepseekV2Config
 from inference_ref.models.llama import LlamaConfig
@@ -18,6 +21,29 @@ def tiny_llama(**changes) -> LlamaConfig:
 def tiny_deepseek(**changes) -> DeepseekV2Config:
     """The registry's tiny DeepSeek-V2 shape (vocab 256 unless changed), with `changes`."""
     return DeepseekV2Config(**{"vocab_size": 256, **TARGET_KINDS["deepseek_v2"].tiny, **changes})
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference, relative to the reference's largest magnitude."""
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def assert_chains_match_training(draft, hidden, tokens, ref_y, ref_logits, tolerance: float = 1e-4) -> None:
+    """Chained drafting from several bases i at once (one batch row per base, each holding the
+    whole sequence, committed through its base: the rest is scratch) equals the training head's
+    unrolled steps `ref_y` [steps, n, H] / `ref_logits`, states and logits, at every step.
+    hidden [n, H'] and tokens [steps, n] are the training head's inputs (row j: the token fed at
+    depth j + 1)."""
+    steps, n = tokens.shape
+    bases = torch.tensor([0, 3, 9, n - 1])
+    cache = draft.new_cache(len(bases), n + steps)
+    y = draft.prefill(hidden.expand(len(bases), n, -1), tokens[0].expand(len(bases), n), cache)
+    y = at_positions(y, bases)
+    cache.lengths = bases + 1
+    for step in range(1, steps):
+        y = draft.chain(y, tokens[step, bases], cache, step)
+        assert rel_err(y, ref_y[step, bases]) <= tolerance
+        assert rel_err(draft.logits(y), ref_logits[step, bases]) <= tolerance
 
 
 def assert_tau_consistent(run: dict, k: int) -> None:
