@@ -24,6 +24,7 @@ from inference_ref.head_spec import HeadSpec, Symbolic
 from mtp_train.head_attention import Segments
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.llama import HeadAttention, HeadMLP
+from mtp_train.heads.mtp import HeadLayer
 from mtp_train.layer_names import EAGLE3_BLOCK, EAGLE3_LATER_BLOCK, llama_dims
 
 
@@ -48,23 +49,6 @@ class Eagle3Layer(nn.Module):
         return y + self.mlp(self.post_attention_layernorm(y))
 
 
-class Eagle3LaterLayer(nn.Module):
-    """A layer stacked after EAGLE-3's first: a Llama decoder layer over H whatever the target kind
-    (the engines' draft layers are Llama's)."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = HeadAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = HeadMLP(h, cfg.intermediate_size)
-
-    def forward(self, x, positions, batch: Segments, kv: list):
-        x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Eagle3Head(DraftHead):
     """EAGLE-3's layer on what every head shares (`DraftHead`: chained forward, loss interface,
     frozen buffers, draft vocabulary; fc and norm from `head_spec.Eagle3Math`)."""
@@ -73,7 +57,10 @@ class Eagle3Head(DraftHead):
         return Eagle3Layer(spec.target)
 
     def build_later_layers(self, spec: HeadSpec) -> list[nn.Module]:
-        return [Eagle3LaterLayer(spec.target) for _ in range(spec.layers - 1)]
+        """Llama decoder layers over H whatever the target kind (the engines' draft layers are Llama's)."""
+        return [
+            HeadLayer(spec.target, input_norm=True, attention=HeadAttention) for _ in range(spec.layers - 1)
+        ]
 
     @classmethod
     def native_block(cls, spec: HeadSpec) -> tuple[Symbolic, dict[str, int]]:

@@ -27,12 +27,19 @@ def head_mlp(cfg: TargetConfig, mlp: str) -> nn.Module:
 
 
 class HeadLayer(nn.Module):
-    """One decoder layer of the target's kind; eagle1 drops the input norm."""
+    """One decoder layer of the target's kind; eagle1 drops the input norm. `attention`: another
+    kind's attention (an EAGLE-3 head's stacked layers are Llama's whatever the target)."""
 
-    def __init__(self, cfg: TargetConfig, input_norm: bool, mlp: str = "dense"):
+    def __init__(
+        self,
+        cfg: TargetConfig,
+        input_norm: bool,
+        mlp: str = "dense",
+        attention: type[nn.Module] | None = None,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
-        self.self_attn = HEAD_LAYERS[cfg.model_type].attention(cfg)
+        self.self_attn = (attention or HEAD_LAYERS[cfg.model_type].attention)(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = head_mlp(cfg, mlp)
 
