@@ -95,11 +95,6 @@ def longest_chain(report: dict) -> dict:
     return runs[max(runs, key=lambda name: len(runs[name]["accept_rate"]))]
 
 
-def greedy_rates(report: dict) -> list[float]:
-    """The per-position acceptance of the report's longest greedy chain."""
-    return longest_chain(report)["accept_rate"]
-
-
 def draft_shape(run: dict, k: int) -> tuple[int, int]:
     """(forwards, layers each) per verify of a chain of k, from a report's run: a block drafter's
     layers once whatever k (each costed as a one-layer step), or k steps of a chained head's layers
@@ -113,22 +108,21 @@ def draft_shape(run: dict, k: int) -> tuple[int, int]:
 def project(report: dict, costs: dict) -> dict:
     """Projected speed-up per (batch, chain k or tree) on `costs`' shape, the best chain and the
     best draft overall per batch."""
-    rates = greedy_rates(report)
+    longest = longest_chain(report)
+    rates = longest["accept_rate"]
+    layers = draft_shape(longest, 1)[1]  # a stacked head's, per draft step (a tree's too)
     measured = next(iter(costs["verify_ms"].values()))  # the new-token counts, alike for every batch
     chains = [k for k in range(1, len(rates) + 1) if str(k + 1) in measured]
     trees = {n: r for n, r in report["speculative"]["greedy"].items() if r.get("draft") == "tree"}
     table = {
-        b: {k: speedup(rates, k, costs, b, *draft_shape(longest_chain(report), k)) for k in chains}
+        b: {k: speedup(rates, k, costs, b, *draft_shape(longest, k)) for k in chains}
         for b in costs["verify_ms"]
     }
     best = {b: max(row, key=row.get) for b, row in table.items()}
     drafts = {
         b: {
             **{f"k={k}": v for k, v in row.items()},
-            **{
-                n: tree_speedup(r, costs, b, draft_shape(longest_chain(report), 1)[1])
-                for n, r in trees.items()
-            },
+            **{n: tree_speedup(r, costs, b, layers) for n, r in trees.items()},
         }
         for b, row in table.items()
     }
