@@ -180,14 +180,18 @@ def eagle3_table(spec: HeadSpec, layer_prefix: str, extra: Symbolic | None = Non
     return resolve(symbolic, eagle3_dims(spec))
 
 
+def _require_one_layer(spec: HeadSpec, layout: str, holds: str) -> None:
+    if spec.layers > 1:
+        raise LayoutUnsupported(
+            f"layout {layout}: {holds}; this head stacks {spec.layers} layers: export.formats=[vllm] "
+            "(vLLM's Eagle3LlamaForCausalLM builds them all)"
+        )
+
+
 def eagle3_layout(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: dict) -> EngineExport:
     """The `eagle3` layout: for the three engines, so one layer."""
     _require_eagle3(spec, "eagle3")
-    if spec.layers > 1:
-        raise LayoutUnsupported(
-            f"layout eagle3: SGLang and TensorRT-LLM load one EAGLE-3 layer; this head stacks {spec.layers}: "
-            "export.formats=[vllm] (vLLM's Eagle3LlamaForCausalLM builds them all)"
-        )
+    _require_one_layer(spec, "eagle3", "SGLang and TensorRT-LLM load one EAGLE-3 layer")
     return eagle3_export(tensors, spec, identity)
 
 
@@ -255,11 +259,9 @@ SPECULATIVE_TOKENS = 3  # the proposal's default chain length, which the serving
 
 def speculators_export(tensors: Mapping[str, torch.Tensor], spec: HeadSpec, identity: dict) -> EngineExport:
     _require_eagle3(spec, "speculators")
-    if spec.layers > 1:
-        raise LayoutUnsupported(
-            f"layout speculators: holds a one-layer EAGLE-3 head (as tested with speculators 0.9.0); this head "
-            f"stacks {spec.layers} layers: export.formats=[vllm] (vLLM's Eagle3LlamaForCausalLM)"
-        )
+    _require_one_layer(
+        spec, "speculators", "holds a one-layer EAGLE-3 head (as tested with speculators 0.9.0)"
+    )
     t = spec.target
     hf = t.to_hf()
     layer = {
