@@ -35,7 +35,7 @@ from mtp_train.serving.layouts import deepseek_is_moe, deepseek_mtp_table
 from mtp_train.target_files import target_identity, write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation
-from tiny import assert_chains_match_training, assert_serves_as_trained, rel_err
+from tiny import assert_chains_match_training, assert_serves_as_trained, frozen_of, randomized, rel_err
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ["rmsnorm-restored", "eagle1"]
@@ -46,24 +46,12 @@ CONFIGS = {
 }
 
 
-def frozen_of(target: DeepseekV2Model) -> dict[str, torch.Tensor]:
-    return {
-        "model.embed_tokens.weight": target.embed_tokens.weight.clone(),
-        "model.norm.weight": target.norm.weight.clone(),
-        "lm_head.weight": target.lm_head.weight.clone(),
-    }
-
-
 def random_head(
     target: DeepseekV2Model, variant: str, seed: int = 0, scale: float = 0.1, mlp: str = "dense"
 ) -> MTPHead:
     """Every trainable tensor random (norms around 1), so each part of the math shows in the output."""
     torch.manual_seed(seed)
-    head = MTPHead(HeadSpec(variant, target.cfg, mlp), frozen_of(target))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
-    return head
+    return randomized(MTPHead(HeadSpec(variant, target.cfg, mlp), frozen_of(target)), scale=scale)
 
 
 def serve(head: MTPHead, target: DeepseekV2Model, tmp_path: Path) -> MTPDraft:

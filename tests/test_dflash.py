@@ -20,9 +20,7 @@ from test_speculative import (
     count_along_greedy_path,
     exact_joint,
     export_native,
-    frozen_of,
     random_prompts,
-    rel_err,
     small_target,
     training_outputs,
 )
@@ -37,6 +35,7 @@ from inference_ref.tree import TreeShape
 from mtp_train.batching import collate
 from mtp_train.heads.dflash import DFlashHead
 from mtp_train.losses import DraftObjective, LossWeights
+from tiny import frozen_of, randomized, rel_err
 
 BLOCK, LAYERS = 4, 2
 
@@ -52,11 +51,7 @@ def dflash_head(target, seed: int = 0, scale: float = 0.1, block: int = BLOCK) -
         mask_token_id=target.cfg.vocab_size - 1,
     )
     torch.manual_seed(seed)
-    head = DFlashHead(spec, frozen_of(target))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
-    return head
+    return randomized(DFlashHead(spec, frozen_of(target)), scale=scale)
 
 
 def serve(head: DFlashHead, target, tmp_path: Path) -> DFlashDraft:

@@ -38,6 +38,8 @@ from tiny import (
     assert_chains_match_training,
     assert_serves_as_trained,
     assert_tau_consistent,
+    frozen_of,
+    randomized,
     tiny_deepseek,
     tiny_llama,
 )
@@ -418,16 +420,9 @@ def test_stacked_chained_steps_equal_the_training_head(variant, kind, tmp_path):
     registry = TARGET_KINDS[kind]
     cfg = registry.config(**{"vocab_size": 256, **registry.tiny, "num_hidden_layers": 4})
     target = registry.random(cfg, "cpu", torch.float32, 0)
-    frozen = {
-        "model.embed_tokens.weight": target.embed_tokens.weight,
-        "model.norm.weight": target.norm.weight,
-        "lm_head.weight": target.lm_head.weight,
-    }
-    head = build(HeadSpec(variant, cfg, aux_layers=tuple(AUX), layers=2), frozen)
-    torch.manual_seed(1)
-    with torch.no_grad():  # away from the initial norms of one and small linears
-        for name, p in head.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    head = randomized(
+        build(HeadSpec(variant, cfg, aux_layers=tuple(AUX), layers=2), frozen_of(target)), seed=1
+    )
     steps, n = 3, 16
     seq = torch.randint(0, cfg.vocab_size, (n + steps,), generator=torch.Generator().manual_seed(1))
     cu = cu_seqlens_of([n])

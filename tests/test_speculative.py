@@ -22,7 +22,7 @@ from inference_ref.speculative import Chain, speculative_generate
 from inference_ref.tree import TreeShape
 from mtp_train.head_attention import Segments
 from mtp_train.heads import HeadSpec, MTPHead
-from tiny import assert_chains_match_training, rel_err, tiny_llama
+from tiny import assert_chains_match_training, frozen_of, randomized, rel_err, tiny_llama
 
 VARIANTS = ["rmsnorm-restored", "eagle1"]
 
@@ -46,23 +46,10 @@ def small_target(context: float = 0.03, seed: int = 0) -> LlamaModel:
     return target
 
 
-def frozen_of(target: LlamaModel) -> dict[str, torch.Tensor]:
-    """The target tensors a training head is built with (as `frozen_target_tensors` reads them)."""
-    return {
-        "model.embed_tokens.weight": target.embed_tokens.weight.detach().clone(),
-        "model.norm.weight": target.norm.weight.detach().clone(),
-        "lm_head.weight": target.lm_head.weight.detach().clone(),
-    }
-
-
 def random_head(target: LlamaModel, variant: str, seed: int = 0, scale: float = 0.1) -> MTPHead:
     """Every trainable tensor random (norms around 1), so each part of the math shows in the output."""
     torch.manual_seed(seed)
-    head = MTPHead(HeadSpec(variant, target.cfg), frozen_of(target))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
-    return head
+    return randomized(MTPHead(HeadSpec(variant, target.cfg), frozen_of(target)), scale=scale)
 
 
 def bigram_head(target: LlamaModel, variant: str, noise: float = 0.03, seed: int = 1) -> MTPHead:

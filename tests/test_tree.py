@@ -17,7 +17,6 @@ from test_speculative import (
     bigram_head,
     chi_square_pvalue,
     exact_joint,
-    frozen_of,
     random_head,
     random_prompts,
     serve,
@@ -40,7 +39,7 @@ from mtp_train.config import ConfigError, checked
 from mtp_train.heads import MTPHead, build
 from mtp_train.target_files import target_identity
 from mtp_train.validate import run_validation, summary
-from tiny import assert_tau_consistent
+from tiny import assert_tau_consistent, frozen_of, randomized
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = [TreeShape(2, 3, 6), TreeShape(4, 4, 12), TreeShape(5, 8, 40)]
@@ -50,15 +49,6 @@ def save_served(head: MTPHead, target, out: Path) -> MTPDraft:
     """Through the native format, for any kind of target and head."""
     identity = {"path": "", "config_hash": target.cfg.fingerprint()}
     return load_draft(ex.save_head(head, out, identity, {}, torch.float32), target)
-
-
-def randomized(head: MTPHead, seed: int, scale: float = 0.1) -> MTPHead:
-    """Every trainable tensor random (norms around 1)."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
-    return head
 
 
 # ---------------------------------------------------------------- the tree mask and the draft's tree

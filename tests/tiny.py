@@ -23,6 +23,26 @@ def tiny_deepseek(**changes) -> DeepseekV2Config:
     return DeepseekV2Config(**{"vocab_size": 256, **TARGET_KINDS["deepseek_v2"].tiny, **changes})
 
 
+def frozen_of(target) -> dict[str, torch.Tensor]:
+    """The target tensors a training head is built with (as `frozen_target_tensors` reads them)."""
+    return {
+        "model.embed_tokens.weight": target.embed_tokens.weight.detach().clone(),
+        "model.norm.weight": target.norm.weight.detach().clone(),
+        "lm_head.weight": target.lm_head.weight.detach().clone(),
+    }
+
+
+def randomized(head, seed: int | None = None, scale: float = 0.1):
+    """Every trainable tensor random (norms around 1, the rest `scale` · N(0, 1)), so that each part
+    of the math shows in the output; reseeded first when `seed` is given."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
+    return head
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """The largest difference, relative to the reference's largest magnitude."""
     return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
