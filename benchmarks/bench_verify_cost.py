@@ -5,6 +5,7 @@ with a head's measured acceptance into projected speed-ups (`mtp_train.projectio
 
     python -m benchmarks.bench_verify_cost --shape llama3_8b
     python -m benchmarks.bench_verify_cost --shape llama3_70b --layers 8 16
+    python -m benchmarks.bench_verify_cost --shape llama3_8b --cached-kernel flex   # FlexAttention
 
 A shape too large for one GPU is measured with fewer layers, twice (`--layers A B`), and the full
 depth extrapolated linearly: cost(L) = cost(A) + (L − A) · (cost(B) − cost(A)) / (B − A); the
@@ -19,6 +20,7 @@ import sys
 import torch
 
 from benchmarks.common import DEVICE, DTYPE, shape, write_result
+from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
 from inference_ref.models import TARGET_KINDS
 
 BATCHES = (1, 8, 32, 64)
@@ -95,7 +97,15 @@ def main() -> None:
     p.add_argument("--shape", default="llama3_8b")
     p.add_argument("--layers", type=int, nargs=2, default=None, help="measure at two depths, extrapolate")
     p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    p.add_argument(
+        "--cached-kernel",
+        choices=CACHED_KERNELS,
+        default="sdpa",
+        help="the cached attention's kernel (inference_ref.attention.use_cached_kernel); "
+        "not sdpa: written to verify_cost_<shape>_<kernel>.json beside the default's",
+    )
     args = p.parse_args()
+    use_cached_kernel(args.cached_kernel)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
     measured = {}
@@ -117,11 +127,13 @@ def main() -> None:
         }
     else:
         verify = measured[depths[0]]
+    suffix = "" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}"
     write_result(
-        f"verify_cost_{args.shape}",
+        f"verify_cost_{args.shape}{suffix}",
         {
             "command": "python -m benchmarks.bench_verify_cost " + " ".join(sys.argv[1:]),
             "shape": args.shape,
+            "cached_kernel": args.cached_kernel,
             "context_tokens": CONTEXT,
             "measured_layers": depths,
             "layers": cfg.num_hidden_layers,  # the shape's (what mtp_train.projection costs a layer by)

@@ -182,10 +182,71 @@ def tree_placement(
     return Placement(slots, positions, mask.unsqueeze(1))
 
 
+CACHED_KERNELS = ("sdpa", "flex")
+_cached_kernel = "sdpa"
+
+
+def use_cached_kernel(name: str) -> None:
+    """Which kernel `cached_attention` runs: "sdpa" (the default) or "flex"
+    (FlexAttention, compiled; `flex_cached_attention`). On the H200 at the Llama-3.1-8B shape, 32
+    layers' attention alone over a 1k-token cache (`benchmarks/bench_attention`): batch 1, two new
+    tokens, 0.32 ms against SDPA's 1.85; one token 0.31 against 0.44; batch 8, two tokens, 0.86
+    against 1.94. Not the default until a whole verify step is measured with it
+    (`bench_verify_cost --cached-kernel flex`, #36). On a CPU it runs too (Inductor's CPU
+    template; the tests compare it with SDPA there), but nothing there asks for it."""
+    global _cached_kernel
+    if name not in CACHED_KERNELS:
+        raise ValueError(f"cached attention kernel {name!r}: one of {', '.join(CACHED_KERNELS)}")
+    _cached_kernel = name
+
+
+FLEX_BLOCK = 128
+"""FlexAttention's block of keys (and queries): its kernels tile by it."""
+
+
+def flex_cached_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """`cached_attention` through FlexAttention: GQA inside the kernel (no repeated K/V, no folded
+    mask), the mask read element by element from the same [B, 1, S, K] tensor, every key block
+    visited (a static cache's shape, whatever the rows' lengths: a CUDA graph can hold it). Its
+    decoding kernel splits the keys over thread blocks, where SDPA's masked kernels leave most of
+    the GPU idle for a few queries. Runs compiled (`_flex_compiled`); called eagerly, FlexAttention
+    materializes the scores."""
+    batch, new = q.shape[:2]
+    keys = k_cache.shape[1]
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    q_blocks, kv_blocks = -(-new // FLEX_BLOCK), -(-keys // FLEX_BLOCK)
+    counts = torch.full((batch, 1, q_blocks), kv_blocks, dtype=torch.int32, device=q.device)
+    blocks = torch.arange(kv_blocks, dtype=torch.int32, device=q.device).expand(batch, 1, q_blocks, kv_blocks)
+
+    def visible(b, h, q_idx, kv_idx):
+        return mask[b, 0, q_idx, kv_idx]
+
+    block_mask = BlockMask.from_kv_blocks(
+        counts, blocks, BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible, seq_lengths=(new, keys)
+    )
+    o = flex_attention(
+        q.transpose(1, 2),
+        k_cache.transpose(1, 2),
+        v_cache.transpose(1, 2),
+        block_mask=block_mask,
+        enable_gqa=True,
+    )
+    return o.transpose(1, 2)
+
+
+# One compiled graph per (batch, new tokens, keys): a graphed step has one of each; the mask's
+# values are an input, not a guard (each call's mask is a new tensor).
+_flex_compiled = torch.compile(flex_cached_attention, dynamic=False)
+
+
 def cached_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """q [B, S, Hq, d]; caches [B, K, Hkv, d] (already holding the new entries); mask [B,1,S,K].
+    After `use_cached_kernel("flex")`: `flex_cached_attention`. Otherwise SDPA:
 
     For S > 1 (a verify, a prefill) the query heads that share a K/V head are folded into the
     query length ([B, Hkv, group·S, d]), as decode kernels do: with a mask and S > 1, SDPA's
@@ -193,6 +254,8 @@ def cached_attention(
     which made a verify of two tokens cost 2–3× a decode step at batch 32–64 on the H200. A
     one-token step keeps `enable_gqa`, which was the faster of the two there
     (`benchmarks/bench_verify_cost`, docs/benchmarks.md)."""
+    if _cached_kernel == "flex":
+        return _flex_compiled(q, k_cache, v_cache, mask)
     if q.shape[1] == 1:
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
