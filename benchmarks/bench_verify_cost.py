@@ -6,6 +6,7 @@ with a head's measured acceptance into projected speed-ups (`mtp_train.projectio
     python -m benchmarks.bench_verify_cost --shape llama3_8b
     python -m benchmarks.bench_verify_cost --shape llama3_70b --layers 8 16
     python -m benchmarks.bench_verify_cost --shape llama3_8b --cached-kernel flex   # FlexAttention
+    python -m benchmarks.bench_verify_cost --shape llama3_8b --compiled-layers      # compiled layers
 
 A shape too large for one GPU is measured with fewer layers, twice (`--layers A B`), and the full
 depth extrapolated linearly: cost(L) = cost(A) + (L − A) · (cost(B) − cost(A)) / (B − A); the
@@ -104,6 +105,12 @@ def main() -> None:
         help="the cached attention's kernel (inference_ref.attention.use_cached_kernel); "
         "not sdpa: written to verify_cost_<shape>_<kernel>.json beside the default's",
     )
+    p.add_argument(
+        "--compiled-layers",
+        action="store_true",
+        help="the target's layers through torch.compile (CausalLM.compile_layers), as regeneration and "
+        "decoding can run them; written to verify_cost_<shape>[_<kernel>]_compiled.json",
+    )
     args = p.parse_args()
     use_cached_kernel(args.cached_kernel)
     cfg = shape(args.shape)
@@ -112,6 +119,8 @@ def main() -> None:
     for depth in depths:
         part = type(cfg)(**{**cfg.__dict__, "num_hidden_layers": depth})
         model = TARGET_KINDS[cfg.model_type].random(part, DEVICE, DTYPE, 0)
+        if args.compiled_layers:
+            model.compile_layers()
         measured[depth] = verify_costs(model, args.batches, NEW_TOKENS)
         del model
         torch.cuda.empty_cache()
@@ -127,13 +136,16 @@ def main() -> None:
         }
     else:
         verify = measured[depths[0]]
-    suffix = "" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}"
+    suffix = ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}") + (
+        "_compiled" if args.compiled_layers else ""
+    )
     write_result(
         f"verify_cost_{args.shape}{suffix}",
         {
             "command": "python -m benchmarks.bench_verify_cost " + " ".join(sys.argv[1:]),
             "shape": args.shape,
             "cached_kernel": args.cached_kernel,
+            "compiled_layers": args.compiled_layers,
             "context_tokens": CONTEXT,
             "measured_layers": depths,
             "layers": cfg.num_hidden_layers,  # the shape's (what mtp_train.projection costs a layer by)

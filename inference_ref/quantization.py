@@ -7,6 +7,11 @@ Where that kernel does not run (a CPU, an older GPU), `Fp8Linear` computes the s
 product in fp32 from the dequantized operands, so the numbers a CPU test sees are the ones the
 tensor cores see up to accumulation order.
 
+`quantize(model, static_inputs=True)` scales each linear map's input by one fixed scale instead
+(vLLM's static FP8 scheme), calibrated on the first `CALIBRATION_TOKENS` tokens the map sees: the
+e4m3 cast then fuses into the op that produces the input in one pass, with no amax to read first.
+Inputs past the calibrated range saturate at ±448 × scale.
+
 Only the decoder layers' linear maps are quantized (attention and dense-MLP projections): the
 embeddings, the final norm, the lm_head and the MoE routers stay in the model's dtype, as serving
 stacks keep them. Checkpoints stored in FP8 with 128×128 block scales (DeepSeek-V3's
@@ -21,6 +26,9 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
+CALIBRATION_TOKENS = 4096
+"""Tokens a linear map with a static input scale sees before its scale is fixed (the largest
+absmax over them, per map)."""
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,21 +61,43 @@ class Fp8Linear(nn.Module):
     at the Llama-3.1-8B shape with no measurable change in agreement (`benchmarks/bench_fp8`
     measures both); False promotes every partial sum."""
 
-    def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor):
+    def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, static_input: bool = False):
         super().__init__()
         self.register_buffer("weight", weight_fp8)  # [out, in] e4m3
         self.register_buffer("weight_scale", weight_scale)  # [out, 1] fp32
         self.out_features, self.in_features = weight_fp8.shape
+        self.static_input = static_input
+        # one scale for every input token once calibrated (static_input); 0 until the first call
+        self.register_buffer("input_scale", torch.zeros((), device=weight_fp8.device))
+        self.calibrating, self.calibrated_tokens = static_input, 0
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> Fp8Linear:
+    def of(cls, linear: nn.Linear, static_input: bool = False) -> Fp8Linear:
         if linear.bias is not None:
             raise ValueError("Fp8Linear: a linear map with a bias is not quantized here")
-        return cls(*quantize_rows(linear.weight.detach()))
+        return cls(*quantize_rows(linear.weight.detach()), static_input=static_input)
+
+    @torch.compiler.disable  # Python counting, a few calls at the start: not worth a compiled variant
+    def calibrate(self, flat: torch.Tensor) -> None:
+        """Widen the input scale to cover `flat`; fixed once `CALIBRATION_TOKENS` were seen."""
+        amax = flat.detach().float().abs().amax().clamp_min(1e-12)
+        self.input_scale.copy_(torch.maximum(self.input_scale, amax / FP8_MAX))
+        self.calibrated_tokens += flat.shape[0]
+        self.calibrating = self.calibrated_tokens < CALIBRATION_TOKENS
+
+    def quantize_input(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 [T, in], fp32 scale [T, 1]): per token, or the one static scale for every token."""
+        if not self.static_input:
+            return quantize_rows(flat)
+        if self.calibrating:  # a Python flag: compiled code sees two variants at most
+            self.calibrate(flat)
+        scale = self.input_scale
+        xq = (flat.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return xq, scale.expand(flat.shape[0], 1).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        xq, xs = quantize_rows(flat)
+        xq, xs = self.quantize_input(flat)
         if flat.is_cuda and flat.shape[0] > 0:
             # Row-wise scales: a [T, 1] per token, b [1, out] per output channel; b column-major.
             scale_b = self.weight_scale.reshape(1, -1).contiguous()
@@ -84,13 +114,14 @@ class Fp8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize(model: nn.Module) -> nn.Module:
+def quantize(model: nn.Module, static_inputs: bool = False) -> nn.Module:
     """Replace every linear map of the model's decoder layers by an `Fp8Linear`, in place (the
     embeddings, lm_head and routers are not `nn.Linear`s of a layer, or are kept: routers decide,
-    they are tiny and fp32). Returns the model."""
+    they are tiny and fp32). `static_inputs`: one calibrated scale per map's input instead of one
+    per token (see the module's notes). Returns the model."""
     for layer in model.layers:
         for name, module in list(layer.named_modules()):
             if isinstance(module, nn.Linear) and not name.endswith("router"):
                 parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
-                setattr(parent, name.rsplit(".", 1)[-1], Fp8Linear.of(module))
+                setattr(parent, name.rsplit(".", 1)[-1], Fp8Linear.of(module, static_inputs))
     return model

@@ -10,6 +10,7 @@ import torch
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.models.llama import random_llama
 from inference_ref.quantization import (
+    CALIBRATION_TOKENS,
     FP8_MAX,
     Fp8Linear,
     dequantize_blocks,
@@ -68,11 +69,58 @@ def test_a_quantized_target_stays_close_to_the_unquantized_one():
     assert cosine > 0.99, cosine
 
 
+def test_a_static_input_scale_is_calibrated_then_fixed():
+    """Static input scales (`quantize(..., static_inputs=True)`): the map's scale widens over its
+    first CALIBRATION_TOKENS tokens to their largest absmax / 448, then stays; every token is
+    quantized with it (the product is the reference's with that one scale), and an input past the
+    calibrated range saturates at ±448 × scale."""
+    g = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(64, 32, bias=False)
+    torch.nn.init.normal_(linear.weight, generator=g)
+    fp8 = Fp8Linear.of(linear, static_input=True)
+    first = torch.randn(CALIBRATION_TOKENS // 2, 64, generator=g)
+    second = 3 * torch.randn(CALIBRATION_TOKENS // 2, 64, generator=g)
+    fp8(first)
+    assert fp8.calibrating and fp8.input_scale == first.abs().max() / FP8_MAX
+    fp8(second)
+    scale = second.abs().max() / FP8_MAX
+    assert not fp8.calibrating and torch.allclose(fp8.input_scale, scale)
+
+    later = 10 * torch.randn(8, 64, generator=g)  # past the calibrated range: saturates
+    wq, ws = quantize_rows(linear.weight.detach())
+    xq = (later / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    ref = (xq.float() * scale) @ (wq.float() * ws).t()
+    assert torch.allclose(fp8(later), ref, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(fp8.input_scale, scale)  # fixed
+    assert not torch.allclose(fp8(later), Fp8Linear.of(linear)(later), rtol=0.1)  # not per token
+
+
+def test_a_target_with_static_input_scales_stays_close_to_the_unquantized_one():
+    cfg = tiny_llama(num_hidden_layers=3)
+    model = random_llama(cfg, seed=0)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, cfg.vocab_size, (50,), generator=g)
+    ref, _ = model.forward_packed(ids, cu_seqlens_of([50]))
+    quantize(model, static_inputs=True)
+    calibration = torch.randint(0, cfg.vocab_size, (CALIBRATION_TOKENS,), generator=g)
+    model.forward_packed(calibration, cu_seqlens_of([256] * (CALIBRATION_TOKENS // 256)))
+    maps = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(maps) == 3 * 4 and not any(m.calibrating for m in maps)
+    out, _ = model.forward_packed(ids, cu_seqlens_of([50]))
+    with torch.inference_mode():
+        cosine = torch.nn.functional.cosine_similarity(model.norm(out), model.norm(ref), dim=-1).min()
+    assert cosine > 0.99, cosine
+
+
 @pytest.mark.gpu
-def test_scaled_mm_matches_the_cpu_reference():
+@pytest.mark.parametrize("static_input", [False, True])
+def test_scaled_mm_matches_the_cpu_reference(static_input):
     linear = torch.nn.Linear(256, 128, bias=False)
     x = torch.randn(64, 256).bfloat16().float()  # the same inputs on both paths (the GPU's are bf16)
-    fp8 = Fp8Linear.of(linear)
+    fp8 = Fp8Linear.of(linear, static_input)
+    if static_input:  # the same fixed scale on both paths
+        fp8.input_scale.fill_(x.abs().max() / FP8_MAX)
+        fp8.calibrating = False
     cpu = fp8(x)
     gpu = fp8.cuda()(x.cuda().bfloat16()).float().cpu()
     assert ((gpu - cpu).norm() / cpu.norm()) < 1e-2
