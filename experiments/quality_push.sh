@@ -5,7 +5,9 @@
 #         GSM8K questions, up to NEW new tokens per turn, every turn, greedy; the store written from
 #         the generation's own states (regenerate.capture; precompute as the fallback), with
 #         EAGLE-3's aux states (AUX=true); SAMPLES more answers per prompt at SAMPLE_T beside the
-#         greedy ones ($R/sampled_<s>.jsonl); LONG_MIX= long-input training prompts per task
+#         greedy ones ($R/sampled_<s>.jsonl); STOP_NEW= greedy answers up to that many new tokens,
+#         each stopped where it repeats an earlier STOP_N-gram of itself ($R/stop_repeat.jsonl:
+#         regenerate.stop_repeat, answers not cut where the target does not loop); LONG_MIX= long-input training prompts per task
 #         (experiments.long_inputs mix) answered into $R/long_mix_answers.jsonl; ANSWERS= an
 #         earlier machine's regenerated.jsonl.gz instead of answering again (a head trained on the
 #         sampled or mix answers names their files in data.train_files and trains online: the store
@@ -61,6 +63,8 @@ B 1000 model.variant=rmsnorm-restored train.unroll_steps=4
 C 1000 model.variant=eagle3 train.unroll_steps=4"}
 NEW=${NEW:-1024}                    # new tokens per turn (regeneration)
 STOP_REPEAT=${STOP_REPEAT:-0}       # regenerate.stop_repeat: stop answers at a repeated N-gram (0: off)
+STOP_NEW=${STOP_NEW:-0}             # also greedy answers up to this many new tokens, stopped at a repeated
+STOP_N=${STOP_N:-32}                # STOP_N-gram (regenerate.stop_repeat): $R/stop_repeat.jsonl (0: none)
 SAMPLES=${SAMPLES:-0}               # also this many sampled answers per prompt: $R/sampled_<s>.jsonl, seed s
 SAMPLE_T=${SAMPLE_T:-0.8}           # at this temperature (HEADS lines name the files they train on)
 LONG_MIX=${LONG_MIX:-0}             # long-input training prompts per task (experiments.long_inputs mix),
@@ -136,6 +140,13 @@ for s in $(seq 1 "$SAMPLES"); do  # several sampled answers per prompt beside th
     "regenerate.seed=$s" "regenerate.output=$R/sampled_$s.jsonl" > "$R/logs/sampled_$s.log" 2>&1
   touch "$R/sampled_$s.done"
 done
+
+if [ "$STOP_NEW" -gt 0 ] && [ ! -f "$R/stop_repeat.done" ]; then  # answers not cut at NEW where they do not loop
+  log "greedy answers up to $STOP_NEW new tokens, stopped at a repeated $STOP_N-gram"
+  python3 -m mtp_train.regenerate "${common[@]}" "${regen[@]}" "regenerate.max_new_tokens=$STOP_NEW" \
+    "regenerate.stop_repeat=$STOP_N" "regenerate.output=$R/stop_repeat.jsonl" > "$R/logs/stop_repeat.log" 2>&1
+  touch "$R/stop_repeat.done"
+fi
 
 train() {  # name, steps, overrides...
   local name=$1 steps=$2 lr=() states=()
