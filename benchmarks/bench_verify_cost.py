@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from benchmarks.common import DEVICE, DTYPE, shape, write_result
+from benchmarks.common import DEVICE, DTYPE, shape, strict_compile, write_result
 from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
 from inference_ref.models import TARGET_KINDS
 
@@ -112,6 +112,7 @@ def main() -> None:
         "decoding can run them; written to verify_cost_<shape>[_<kernel>]_compiled.json",
     )
     args = p.parse_args()
+    strict_compile()
     use_cached_kernel(args.cached_kernel)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
@@ -122,6 +123,7 @@ def main() -> None:
         if args.compiled_layers:
             model.compile_layers()
         measured[depth] = verify_costs(model, args.batches, NEW_TOKENS)
+        ran_compiled = model.runs_compiled("cached")  # false too where the compile fell back to eager
         del model
         torch.cuda.empty_cache()
     if len(depths) == 2:
@@ -146,6 +148,7 @@ def main() -> None:
             "shape": args.shape,
             "cached_kernel": args.cached_kernel,
             "compiled_layers": args.compiled_layers,
+            "compiled_layers_ran": ran_compiled,
             "context_tokens": CONTEXT,
             "measured_layers": depths,
             "layers": cfg.num_hidden_layers,  # the shape's (what mtp_train.projection costs a layer by)

@@ -220,6 +220,17 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def strict_compile(limit: int = 64) -> None:
+    """Let one function compile for up to `limit` shapes (a benchmark's grid of batches and token
+    counts), and make passing that an error: past Dynamo's limit a compiled function runs eagerly
+    without a word, and a benchmark would time the eager code under the compiled code's name."""
+    import torch._dynamo.config as dynamo
+
+    dynamo.recompile_limit = limit
+    if hasattr(dynamo, "fail_on_recompile_limit_hit"):
+        dynamo.fail_on_recompile_limit_hit = True
+
+
 def write_result(name: str, figures: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     record = {

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from inference_ref.causal_lm import cu_seqlens_of
-from inference_ref.quantization import quantize
+from inference_ref.quantization import calibration, quantize
 from inference_ref.target import load_target
 from mtp_train.data import load_prompts, prompt_ids
 from mtp_train.demo_target import smollm2_dir
@@ -58,7 +58,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     prompts = load_prompts([Path(args.prompts)], limit=args.calibrate + args.compare)
     ids = prompt_ids(tokenizer, [q.turns[0] for q in prompts])
-    calibration, compared = ids[: args.calibrate], ids[args.calibrate :]
+    calibration_ids, compared = ids[: args.calibrate], ids[args.calibrate :]
 
     model = load_target(target, "cpu", torch.float32)
     lm_head = model.lm_head.weight.float()
@@ -68,8 +68,9 @@ def main() -> None:
     figures["fp8_per_token_inputs"] = compare(normed_states(model, compared), ref, lm_head)
 
     model = quantize(load_target(target, "cpu", torch.float32), static_inputs=True)
-    normed_states(model, calibration)  # fixes every map's scale (CALIBRATION_TOKENS at most)
-    figures["calibration_positions"] = sum(map(len, calibration))
+    with calibration(model):
+        normed_states(model, calibration_ids)
+    figures["calibration_positions"] = sum(map(len, calibration_ids))
     figures["fp8_static_inputs"] = compare(normed_states(model, compared), ref, lm_head)
     Path(args.out).write_text(json.dumps(figures, indent=2))
     print(json.dumps(figures, indent=2))

@@ -189,10 +189,11 @@ _cached_kernel = "sdpa"
 def use_cached_kernel(name: str) -> None:
     """Which kernel `cached_attention` runs: "sdpa" (the default) or "flex"
     (FlexAttention, compiled; `flex_cached_attention`). On the H200 at the Llama-3.1-8B shape, 32
-    layers' attention alone over a 1k-token cache (`benchmarks/bench_attention`): batch 1, two new
-    tokens, 0.32 ms against SDPA's 1.85; one token 0.31 against 0.44; batch 8, two tokens, 0.86
-    against 1.94. Not the default until a whole verify step is measured with it
-    (`bench_verify_cost --cached-kernel flex`, #36). On a CPU it runs too (Inductor's CPU
+    layers' attention alone over a 1k-token cache, FlexAttention with a block mask built from the
+    rows' lengths (`benchmarks/bench_attention`, 2026-12-04, before it measured this kernel
+    itself): batch 1, two new tokens, 0.32 ms against SDPA's 1.85; one token 0.31 against 0.44;
+    batch 8, two tokens, 0.86 against 1.94. Not the default until this kernel and a whole verify
+    step are measured with it (`bench_attention`, `bench_verify_cost --cached-kernel flex`, #36). On a CPU it runs too (Inductor's CPU
     template; the tests compare it with SDPA there), but nothing there asks for it."""
     global _cached_kernel
     if name not in CACHED_KERNELS:
@@ -225,7 +226,7 @@ def flex_cached_attention(
         return mask[b, 0, q_idx, kv_idx]
 
     block_mask = BlockMask.from_kv_blocks(
-        counts, blocks, BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible, seq_lengths=(new, keys)
+        counts, blocks, BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible, seq_lengths=(new, keys), **_FORWARD_ONLY
     )
     o = flex_attention(
         q.transpose(1, 2),
@@ -237,9 +238,21 @@ def flex_cached_attention(
     return o.transpose(1, 2)
 
 
-# One compiled graph per (batch, new tokens, keys): a graphed step has one of each; the mask's
-# values are an input, not a guard (each call's mask is a new tensor).
-_flex_compiled = torch.compile(flex_cached_attention, dynamic=False)
+def _forward_only() -> dict:
+    """No query-block index for a backward pass (built per call otherwise), where torch has the option."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    options = inspect.signature(BlockMask.from_kv_blocks).parameters
+    return {"compute_q_blocks": False} if "compute_q_blocks" in options else {}
+
+
+_FORWARD_ONLY = _forward_only()
+# Dynamic shapes after the first: a static graph for the first (batch, new tokens, keys), then one
+# graph for every other shape. One static graph per shape would pass Dynamo's limit of 8 compiled
+# variants per function within one benchmark (4 batches × 10 token counts), after which
+# FlexAttention runs eagerly, unfused, without an error. The mask's values are an input, not a
+# guard (each call's mask is a new tensor). Inside compiled layers this is traced inline.
+_flex_compiled = torch.compile(flex_cached_attention, dynamic=None)
 
 
 def cached_attention(

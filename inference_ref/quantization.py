@@ -8,9 +8,10 @@ product in fp32 from the dequantized operands, so the numbers a CPU test sees ar
 tensor cores see up to accumulation order.
 
 `quantize(model, static_inputs=True)` scales each linear map's input by one fixed scale instead
-(vLLM's static FP8 scheme), calibrated on the first `CALIBRATION_TOKENS` tokens the map sees: the
-e4m3 cast then fuses into the op that produces the input in one pass, with no amax to read first.
-Inputs past the calibrated range saturate at ±448 × scale.
+(vLLM's static FP8 scheme): the largest absmax / 448 over the forwards run inside
+`with calibration(model):` (eager, before any step is captured), fixed from then on. The e4m3 cast
+then fuses into the op that produces the input in one pass, with no amax to read first. Inputs past
+the calibrated range saturate at ±448 × scale; a map that was never calibrated refuses to run.
 
 Only the decoder layers' linear maps are quantized (attention and dense-MLP projections): the
 embeddings, the final norm, the lm_head and the MoE routers stay in the model's dtype, as serving
@@ -20,15 +21,15 @@ stacks keep them. Checkpoints stored in FP8 with 128×128 block scales (DeepSeek
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
-CALIBRATION_TOKENS = 4096
-"""Tokens a linear map with a static input scale sees before its scale is fixed (the largest
-absmax over them, per map)."""
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,9 +68,10 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", weight_scale)  # [out, 1] fp32
         self.out_features, self.in_features = weight_fp8.shape
         self.static_input = static_input
-        # one scale for every input token once calibrated (static_input); 0 until the first call
-        self.register_buffer("input_scale", torch.zeros((), device=weight_fp8.device))
-        self.calibrating, self.calibrated_tokens = static_input, 0
+        # one scale for every input token (static_input), set by `calibration`. Not in the state
+        # dict: nothing saves a quantized target.
+        self.register_buffer("input_scale", torch.zeros((), device=weight_fp8.device), persistent=False)
+        self.calibrating, self.calibrated_tokens = False, 0
 
     @classmethod
     def of(cls, linear: nn.Linear, static_input: bool = False) -> Fp8Linear:
@@ -77,20 +79,28 @@ class Fp8Linear(nn.Module):
             raise ValueError("Fp8Linear: a linear map with a bias is not quantized here")
         return cls(*quantize_rows(linear.weight.detach()), static_input=static_input)
 
-    @torch.compiler.disable  # Python counting, a few calls at the start: not worth a compiled variant
     def calibrate(self, flat: torch.Tensor) -> None:
-        """Widen the input scale to cover `flat`; fixed once `CALIBRATION_TOKENS` were seen."""
+        """Widen the input scale to cover `flat` (inside `calibration`)."""
+        if flat.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a captured graph would widen the scale at every replay
+            raise RuntimeError("Fp8Linear: a CUDA graph captured while calibrating static input scales")
+        if flat.numel() == 0:
+            return
         amax = flat.detach().float().abs().amax().clamp_min(1e-12)
         self.input_scale.copy_(torch.maximum(self.input_scale, amax / FP8_MAX))
         self.calibrated_tokens += flat.shape[0]
-        self.calibrating = self.calibrated_tokens < CALIBRATION_TOKENS
 
     def quantize_input(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(e4m3 [T, in], fp32 scale [T, 1]): per token, or the one static scale for every token."""
         if not self.static_input:
             return quantize_rows(flat)
-        if self.calibrating:  # a Python flag: compiled code sees two variants at most
+        if self.calibrating:
             self.calibrate(flat)
+        elif self.calibrated_tokens == 0:
+            raise RuntimeError(
+                "Fp8Linear: static input scales not calibrated: run the model on calibration text "
+                "inside `with inference_ref.quantization.calibration(model):` first"
+            )
         scale = self.input_scale
         xq = (flat.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         return xq, scale.expand(flat.shape[0], 1).contiguous()
@@ -125,3 +135,29 @@ def quantize(model: nn.Module, static_inputs: bool = False) -> nn.Module:
                 parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
                 setattr(parent, name.rsplit(".", 1)[-1], Fp8Linear.of(module, static_inputs))
     return model
+
+
+@contextmanager
+def calibration(model: nn.Module) -> Iterator[None]:
+    """`with calibration(model): <forwards>`: every static-input FP8 map of the model takes the
+    largest absmax / 448 of its inputs over those forwards as its scale, fixed after the block.
+    The layers run eagerly inside it (a compiled frame would keep the calibration's graph breaks,
+    and a captured graph would replay it); compiled ones compile again after it."""
+    maps = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.static_input]
+    if not maps:
+        raise ValueError(
+            "calibration: the model has no FP8 maps with static input scales (quantize(model, static_inputs=True))"
+        )
+    for m in maps:
+        m.input_scale.zero_()
+        m.calibrating, m.calibrated_tokens = True, 0
+    compiled = getattr(model, "compiled_layers", False)
+    model.compiled_layers = False
+    try:
+        yield
+    finally:
+        model.compiled_layers = compiled
+        for m in maps:
+            m.calibrating = False
+    if any(m.calibrated_tokens == 0 for m in maps):
+        raise ValueError("calibration: the forwards inside it reached no FP8 map (no tokens?)")

@@ -9,6 +9,7 @@ import torch
 
 from inference_ref import attention
 from inference_ref.attention import cached_attention, flex_cached_attention, use_cached_kernel
+from inference_ref.generate import generate
 from inference_ref.models.llama import random_llama
 from tiny import rel_err, tiny_llama
 
@@ -20,9 +21,11 @@ def flex():
     use_cached_kernel("sdpa")
 
 
-def test_incremental_decode_with_flex_equals_sdpa(flex):
+@pytest.mark.parametrize("static", [False, True])
+def test_incremental_decode_with_flex_equals_sdpa(flex, static):
     """Prefill, then steps of 1 and 3 tokens at per-row offsets (row 1's later entries scratch, to be
-    rewritten), each step's states against the same steps through SDPA."""
+    rewritten), each step's states against the same steps through SDPA; `static`: the steps attend
+    over the whole cache, masked, as a captured CUDA graph's do."""
     model = random_llama(tiny_llama(num_attention_heads=6, num_key_value_heads=2), seed=4)
     tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
 
@@ -32,9 +35,8 @@ def test_incremental_decode_with_flex_equals_sdpa(flex):
         cache.lengths = torch.tensor([16, 13])
         while int(cache.lengths.max()) < 36:
             step = 1 if int(cache.lengths[0]) % 2 else 3
-            outs.append(
-                model.forward_cached(tokens.gather(1, cache.lengths[:, None] + torch.arange(step)), cache)
-            )
+            ids = tokens.gather(1, cache.lengths[:, None] + torch.arange(step))
+            outs.append(model.forward_cached(ids, cache, static=static))
             cache.lengths += step
         return outs
 
@@ -61,3 +63,15 @@ def test_flex_kernel_takes_any_mask():
 def test_an_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="'flash'.*sdpa, flex"):
         use_cached_kernel("flash")
+
+
+def test_flex_runs_inside_compiled_layers(flex):
+    """Compiled cached layers trace the flex kernel inline and decode what eager SDPA decodes."""
+    model = random_llama(tiny_llama(num_attention_heads=6, num_key_value_heads=2), seed=4)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    use_cached_kernel("sdpa")
+    eager = generate(model, prompts, 6, eos_ids=[])
+    use_cached_kernel("flex")
+    model.compile_layers()
+    assert generate(model, prompts, 6, eos_ids=[]) == eager
+    assert model.compile_proven == {"cached"}

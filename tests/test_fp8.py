@@ -10,9 +10,9 @@ import torch
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.models.llama import random_llama
 from inference_ref.quantization import (
-    CALIBRATION_TOKENS,
     FP8_MAX,
     Fp8Linear,
+    calibration,
     dequantize_blocks,
     dequantize_rows,
     quantize,
@@ -70,19 +70,23 @@ def test_a_quantized_target_stays_close_to_the_unquantized_one():
 
 
 def test_a_static_input_scale_is_calibrated_then_fixed():
-    """Static input scales (`quantize(..., static_inputs=True)`): the map's scale widens over its
-    first CALIBRATION_TOKENS tokens to their largest absmax / 448, then stays; every token is
-    quantized with it (the product is the reference's with that one scale), and an input past the
-    calibrated range saturates at ±448 × scale."""
+    """Static input scales (`quantize(..., static_inputs=True)`): inside `calibration` each map's
+    scale widens to the largest absmax / 448 of its inputs, then stays; every token is quantized
+    with it (the product is the reference's with that one scale) and an input past the calibrated
+    range saturates at ±448 × scale. An uncalibrated map refuses to run."""
     g = torch.Generator().manual_seed(3)
     linear = torch.nn.Linear(64, 32, bias=False)
     torch.nn.init.normal_(linear.weight, generator=g)
-    fp8 = Fp8Linear.of(linear, static_input=True)
-    first = torch.randn(CALIBRATION_TOKENS // 2, 64, generator=g)
-    second = 3 * torch.randn(CALIBRATION_TOKENS // 2, 64, generator=g)
-    fp8(first)
-    assert fp8.calibrating and fp8.input_scale == first.abs().max() / FP8_MAX
-    fp8(second)
+    model = torch.nn.Sequential(Fp8Linear.of(linear, static_input=True))
+    fp8 = model[0]
+    with pytest.raises(RuntimeError, match="not calibrated"):
+        fp8(torch.randn(2, 64))
+    first, second = torch.randn(16, 64, generator=g), 3 * torch.randn(16, 64, generator=g)
+    with calibration(model):
+        model(first)
+        assert fp8.input_scale == first.abs().max() / FP8_MAX
+        model(second)
+        model(torch.empty(0, 64))  # no tokens: nothing to widen by
     scale = second.abs().max() / FP8_MAX
     assert not fp8.calibrating and torch.allclose(fp8.input_scale, scale)
 
@@ -93,6 +97,9 @@ def test_a_static_input_scale_is_calibrated_then_fixed():
     assert torch.allclose(fp8(later), ref, rtol=1e-5, atol=1e-5)
     assert torch.allclose(fp8.input_scale, scale)  # fixed
     assert not torch.allclose(fp8(later), Fp8Linear.of(linear)(later), rtol=0.1)  # not per token
+    with pytest.raises(ValueError, match="no FP8 maps with static"):
+        with calibration(torch.nn.Sequential(Fp8Linear.of(linear))):
+            pass
 
 
 def test_a_target_with_static_input_scales_stays_close_to_the_unquantized_one():
@@ -102,10 +109,10 @@ def test_a_target_with_static_input_scales_stays_close_to_the_unquantized_one():
     ids = torch.randint(0, cfg.vocab_size, (50,), generator=g)
     ref, _ = model.forward_packed(ids, cu_seqlens_of([50]))
     quantize(model, static_inputs=True)
-    calibration = torch.randint(0, cfg.vocab_size, (CALIBRATION_TOKENS,), generator=g)
-    model.forward_packed(calibration, cu_seqlens_of([256] * (CALIBRATION_TOKENS // 256)))
+    with calibration(model):
+        model.forward_packed(torch.randint(0, cfg.vocab_size, (512,), generator=g), cu_seqlens_of([256, 256]))
     maps = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    assert len(maps) == 3 * 4 and not any(m.calibrating for m in maps)
+    assert len(maps) == 3 * 4 and all(m.calibrated_tokens == 512 for m in maps)
     out, _ = model.forward_packed(ids, cu_seqlens_of([50]))
     with torch.inference_mode():
         cosine = torch.nn.functional.cosine_similarity(model.norm(out), model.norm(ref), dim=-1).min()
@@ -119,8 +126,25 @@ def test_scaled_mm_matches_the_cpu_reference(static_input):
     x = torch.randn(64, 256).bfloat16().float()  # the same inputs on both paths (the GPU's are bf16)
     fp8 = Fp8Linear.of(linear, static_input)
     if static_input:  # the same fixed scale on both paths
-        fp8.input_scale.fill_(x.abs().max() / FP8_MAX)
-        fp8.calibrating = False
+        with calibration(torch.nn.Sequential(fp8)):
+            fp8(x)
     cpu = fp8(x)
     gpu = fp8.cuda()(x.cuda().bfloat16()).float().cpu()
     assert ((gpu - cpu).norm() / cpu.norm()) < 1e-2
+
+
+def test_static_input_scales_compile_after_calibration():
+    """Calibration runs eagerly (a compiled frame would keep its graph breaks); the compiled layers
+    traced afterwards give the eager output. Uncalibrated, a compiled target refuses to run too."""
+    model = random_llama(tiny_llama(num_hidden_layers=2), seed=0)
+    quantize(model, static_inputs=True)
+    ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(0))
+    model.compile_layers()
+    with pytest.raises(RuntimeError, match="not calibrated"):
+        model.forward_packed(ids, cu_seqlens_of([64]))
+    model.compile_layers()
+    with calibration(model):
+        eager, _ = model.forward_packed(ids, cu_seqlens_of([64]))
+    assert model.compiled_layers
+    compiled, _ = model.forward_packed(ids, cu_seqlens_of([64]))
+    assert model.compile_proven == {"packed"} and torch.allclose(compiled, eager, atol=1e-5)
