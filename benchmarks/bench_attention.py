@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from benchmarks.bench_verify_cost import CONTEXT, graphed
 from benchmarks.common import DEVICE, DTYPE, shape, strict_compile, write_result
 from inference_ref import attention
+from inference_ref.attention import fold_groups, fold_mask, unfold_groups
 
 LAYERS = 32
 NEW_TOKENS = (1, 2, 4, 8)
@@ -49,32 +50,11 @@ def gqa_sdpa(q, k, v, mask):
     return o.transpose(1, 2)
 
 
-def fold(q, kv_heads):
-    batch, new, heads, dim = q.shape
-    group = heads // kv_heads
-    return (
-        q.view(batch, new, kv_heads, group, dim)
-        .permute(0, 2, 3, 1, 4)
-        .reshape(batch, kv_heads, group * new, dim)
-    )
-
-
-def unfold(o, new):
-    batch, kv_heads, rows, dim = o.shape
-    group = rows // new
-    return (
-        o.view(batch, kv_heads, group, new, dim)
-        .permute(0, 3, 1, 2, 4)
-        .reshape(batch, new, kv_heads * group, dim)
-    )
-
-
 def folded(q, k, v, mask, sdpa: bool):
-    batch, new, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    group = heads // kv_heads
-    folded = fold(q, kv_heads)
-    mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, 1, group * new, mask.shape[-1])
+    """The query heads sharing a K/V head folded into the query length (inference_ref's layout)."""
+    dim, kv_heads = q.shape[-1], k.shape[2]
+    folded = fold_groups(q, kv_heads)
+    mask = fold_mask(mask, q.shape[2] // kv_heads)
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)
     if sdpa:
         o = F.scaled_dot_product_attention(folded, kt, vt, attn_mask=mask)
@@ -82,7 +62,7 @@ def folded(q, k, v, mask, sdpa: bool):
         scores = (folded @ kt.transpose(-1, -2)).float() * dim**-0.5
         scores = scores.masked_fill(~mask, float("-inf"))
         o = scores.softmax(-1).to(q.dtype) @ vt
-    return unfold(o, new)
+    return unfold_groups(o, q.shape[1])
 
 
 def folded_sdpa(q, k, v, mask):

@@ -278,16 +278,39 @@ def cached_attention(
             enable_gqa=True,
         )
         return o.transpose(1, 2)
+    group = q.shape[2] // k_cache.shape[2]
+    o = F.scaled_dot_product_attention(
+        fold_groups(q, k_cache.shape[2]),
+        k_cache.transpose(1, 2),
+        v_cache.transpose(1, 2),
+        attn_mask=fold_mask(mask, group),
+    )
+    return unfold_groups(o, q.shape[1])
+
+
+def fold_groups(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [B, S, Hq, d] → [B, Hkv, group·S, d]: the query heads that share a K/V head, as rows."""
     batch, new, heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
     group = heads // kv_heads
-    folded = (
+    return (
         q.view(batch, new, kv_heads, group, dim)
         .permute(0, 2, 3, 1, 4)
         .reshape(batch, kv_heads, group * new, dim)
     )
-    mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, 1, group * new, mask.shape[-1])
-    o = F.scaled_dot_product_attention(
-        folded, k_cache.transpose(1, 2), v_cache.transpose(1, 2), attn_mask=mask
+
+
+def unfold_groups(o: torch.Tensor, new: int) -> torch.Tensor:
+    """`fold_groups`' inverse: [B, Hkv, group·S, d] → [B, S, Hq, d]."""
+    batch, kv_heads, rows, dim = o.shape
+    group = rows // new
+    return (
+        o.view(batch, kv_heads, group, new, dim)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(batch, new, kv_heads * group, dim)
     )
-    return o.view(batch, kv_heads, group, new, dim).permute(0, 3, 1, 2, 4).reshape(batch, new, heads, dim)
+
+
+def fold_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, 1, S, K] → [B, 1, group·S, K], the rows of `fold_groups`' layout."""
+    batch, _, new, keys = mask.shape
+    return mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, 1, group * new, keys)
