@@ -226,7 +226,10 @@ def strict_compile(limit: int = 64) -> None:
     without a word, and a benchmark would time the eager code under the compiled code's name."""
     import torch._dynamo.config as dynamo
 
-    dynamo.recompile_limit = limit
+    if hasattr(dynamo, "recompile_limit"):
+        dynamo.recompile_limit = limit
+    else:  # torch < 2.6
+        dynamo.cache_size_limit = limit
     if hasattr(dynamo, "fail_on_recompile_limit_hit"):
         dynamo.fail_on_recompile_limit_hit = True
 
