@@ -74,10 +74,6 @@ def matmul(q, k, v, mask):
     return folded(q, k, v, mask, sdpa=False)
 
 
-def flex(q, k, v, mask):
-    return attention._flex_compiled(q, k, v, mask)
-
-
 def flex_lengths_variant(lengths, new, kv_len):
     """FlexAttention over the static cache: row b's new token i sees entries ≤ lengths[b] + i."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -118,7 +114,12 @@ def inputs(cfg, batch, new, kv_len, layers, seed=0):
 def measure(cfg, batch, new, layers) -> dict:
     kv_len = CONTEXT + 65
     q, caches, lengths, mask = inputs(cfg, batch, new, kv_len, layers)
-    variants = {"gqa_sdpa": gqa_sdpa, "folded_sdpa": folded_sdpa, "matmul": matmul, "flex": flex}
+    variants = {
+        "gqa_sdpa": gqa_sdpa,
+        "folded_sdpa": folded_sdpa,
+        "matmul": matmul,
+        "flex": attention._flex_compiled,
+    }
     try:
         variants["flex_lengths"] = flex_lengths_variant(lengths, new, kv_len)
     except Exception as e:  # noqa: BLE001 - an unsupported build is reported, not fatal

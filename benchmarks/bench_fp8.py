@@ -45,6 +45,16 @@ def agreement(model, reference: torch.Tensor, ids: torch.Tensor) -> dict:
     }
 
 
+def variant(model, seqs, batches, hidden: int, ref, probe, bf16: dict) -> dict:
+    """One FP8 variant of the model as it now stands, compiled afresh: speed, agreement with bf16,
+    the ratio to bf16 and its kernel profile."""
+    model.compile_proven, model.compile_failed = frozenset(), frozenset()
+    figures = {**measure(model, seqs, batches, hidden), **agreement(model, ref, probe)}
+    figures["vs_bf16"] = figures["tokens_per_s"] / bf16["tokens_per_s"]
+    figures["profile"] = kernel_breakdown(model, seqs, batches[0], hidden)
+    return figures
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="llama3_8b")
@@ -74,10 +84,7 @@ def main() -> None:
     for module in model.modules():  # the same weights with Hopper's fast accumulation
         if isinstance(module, Fp8Linear):
             module.fast_accum = True
-    model.compile_proven, model.compile_failed = frozenset(), frozenset()
-    fast = {**measure(model, seqs, batches, cfg.hidden_size), **agreement(model, ref, probe)}
-    fast["vs_bf16"] = fast["tokens_per_s"] / bf16["tokens_per_s"]
-    fast["profile"] = kernel_breakdown(model, seqs, batches[0], cfg.hidden_size)
+    fast = variant(model, seqs, batches, cfg.hidden_size, ref, probe, bf16)
     # The same weights with static input scales (one per map, calibrated eagerly on the first
     # batch's tokens, the measured passes' own), fast accumulation: the e4m3 cast fuses into its
     # producer. The compiled frames are dropped first and traced again after calibration.
@@ -87,10 +94,7 @@ def main() -> None:
     torch._dynamo.reset()
     with calibration(model):
         run_ours(model, seqs, batches[:1], cfg.hidden_size)
-    model.compile_proven, model.compile_failed = frozenset(), frozenset()
-    static = {**measure(model, seqs, batches, cfg.hidden_size), **agreement(model, ref, probe)}
-    static["vs_bf16"] = static["tokens_per_s"] / bf16["tokens_per_s"]
-    static["profile"] = kernel_breakdown(model, seqs, batches[0], cfg.hidden_size)
+    static = variant(model, seqs, batches, cfg.hidden_size, ref, probe, bf16)
     flops = linear_flops_per_token(cfg)
     write_result(
         f"fp8_{args.shape}",

@@ -193,8 +193,9 @@ def use_cached_kernel(name: str) -> None:
     rows' lengths (`benchmarks/bench_attention`, 2026-12-04, before it measured this kernel
     itself): batch 1, two new tokens, 0.32 ms against SDPA's 1.85; one token 0.31 against 0.44;
     batch 8, two tokens, 0.86 against 1.94. Not the default until this kernel and a whole verify
-    step are measured with it (`bench_attention`, `bench_verify_cost --cached-kernel flex`, #36). On a CPU it runs too (Inductor's CPU
-    template; the tests compare it with SDPA there), but nothing there asks for it."""
+    step are measured with it (`bench_attention`, `bench_verify_cost --cached-kernel flex`, #36).
+    On a CPU it runs too (Inductor's CPU template; the tests compare it with SDPA there), but
+    nothing there asks for it."""
     global _cached_kernel
     if name not in CACHED_KERNELS:
         raise ValueError(f"cached attention kernel {name!r}: one of {', '.join(CACHED_KERNELS)}")
