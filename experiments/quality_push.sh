@@ -82,6 +82,8 @@ SSD=${SSD-[1,4,8,16]}               # SSD fan-outs validated with chained heads 
 DS_HEADS=${DS_HEADS:-}              # heads trained under accelerate launch + DeepSpeed ZeRO-2 (one GPU)
 SEL_PROMPTS=${SEL_PROMPTS:-100}     # set-aside prompts validated at the end of training
 STORE=${STORE:-true}                # write the store (false: the heads train online)
+GREEDY=${GREEDY:-true}              # answer the prompts greedily ($R/regenerated.jsonl); false (STORE=false
+                                    # only): no greedy set, every HEADS line names its data.train_files
 mkdir -p "$R/logs"
 common=(model=smollm2_135m "model.target=$T" "run_dir=$R")
 log() { echo "[$(date +%T)] $*"; }
@@ -102,7 +104,8 @@ fi
 regen=("regenerate.prompts=[$prompts]" "regenerate.limit=$N"
        "regenerate.max_new_tokens=$NEW" regenerate.max_prompt_tokens=1024 "regenerate.batch_size=$BATCH"
        "regenerate.stop_repeat=$STOP_REPEAT")
-if [ "$STORE" != true ] && [ ! -f "$R/answers.done" ]; then  # answers only, no store
+[ "$GREEDY" = true ] || [ "$STORE" != true ] || { log "GREEDY=false needs STORE=false"; exit 1; }
+if [ "$STORE" != true ] && [ "$GREEDY" = true ] && [ ! -f "$R/answers.done" ]; then  # answers only, no store
   log regenerate  # resumes: the ids already answered are skipped
   python3 -m mtp_train.regenerate "${common[@]}" "${regen[@]}" "${data[@]}" > "$R/logs/regenerate.log" 2>&1
   touch "$R/answers.done"
@@ -123,7 +126,7 @@ elif [ "$STORE" = true ] && [ ! -f "$store/manifest.json" ]; then
 fi
 [ -f "$R/store_precomputed/manifest.json" ] && store=$R/store_precomputed
 # a copy small enough to carry to the next machine (ANSWERS=)
-if [ ! -f "$R/regenerated.jsonl.gz" ]; then  # whole or absent: a kill mid-write leaves only the .tmp
+if [ "$GREEDY" = true ] && [ ! -f "$R/regenerated.jsonl.gz" ]; then  # whole or absent: a kill mid-write leaves only the .tmp
   gzip -c "$R/regenerated.jsonl" > "$R/regenerated.jsonl.gz.tmp" && mv "$R/regenerated.jsonl.gz.tmp" "$R/regenerated.jsonl.gz"
 fi
 if [ "$LONG_MIX" -gt 0 ] && [ ! -f "$R/long_mix.done" ]; then  # the long-input data mix, answered
