@@ -29,14 +29,6 @@ PLUGIN_LAYER = "layers.0."
 """The decoder layer's prefix in the vLLM plugin's layout of rmsnorm-restored / eagle1 heads."""
 
 
-def reads_back(kind) -> bool:
-    """Whether a head kind's eagle3 / vllm exports carry its native config and are read back here:
-    every chained kind (the EAGLE-3 family in the EAGLE-3 layout, rmsnorm-restored and eagle1 in
-    the plugin's); a dflash export is the reference's DFlashDraftModel, whose config has no room
-    for ours."""
-    return not kind.blocks
-
-
 def read_config(path: Path) -> dict:
     """A head directory's config.json as it is."""
     if not (path / CONFIG).exists():
@@ -52,17 +44,15 @@ def native_config(config: dict, path: Path) -> dict:
     if NATIVE_CONFIG in config:
         native = config[NATIVE_CONFIG]
         kind = HEAD_KINDS.get(native.get("variant"))
-        if kind is None or not reads_back(kind):
-            raise ValueError(
-                f"{path / CONFIG}: an engine export of a {native.get('variant')} head is not read back "
-                "(only chained heads' are): point at its native export"
-            )
+        if kind is None:
+            variant = native.get("variant")
+            raise ValueError(f"{path / CONFIG}: {NATIVE_CONFIG}.variant: unknown head kind {variant!r}")
         return native
     if "format" not in config:  # an engine layout without the native config
         arch = (config.get("architectures") or ["?"])[0]
         raise ValueError(
-            f"{path / CONFIG}: an engine export ({arch}) that carries no native config: point at "
-            f"the head's native export (only chained heads' eagle3 and vllm exports are read back)"
+            f"{path / CONFIG}: an engine export ({arch}) that carries no native config "
+            f"({NATIVE_CONFIG}): point at the head's native export"
         )
     return config
 
@@ -84,6 +74,8 @@ def read_head_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     tensors = load_file(str(weights))
     if native is config:
         return native, tensors
+    if HEAD_KINDS[native["variant"]].blocks:
+        return native, native_from_dflash(tensors)
     if any(name.startswith(PLUGIN_LAYER) for name in tensors):
         return native, native_from_plugin(tensors)
     return native, native_from_eagle3(tensors, native["draft_vocab_size"])
@@ -96,6 +88,17 @@ def native_from_plugin(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     native head takes from the target itself."""
     return {
         ("layer." + name[len(PLUGIN_LAYER) :] if name.startswith(PLUGIN_LAYER) else name): t
+        for name, t in tensors.items()
+        if name != "lm_head.weight"
+    }
+
+
+def native_from_dflash(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of the DFlashDraftModel layout's renaming (`layouts.dflash_export`): its
+    `layers.<i>.` back under `layer.<i>.`; fc, hidden_norm, norm and a draft vocabulary's d2t keep
+    their names, and the lm_head rows are dropped as in `native_from_plugin`."""
+    return {
+        ("layer." + name[len("layers.") :] if name.startswith("layers.") else name): t
         for name, t in tensors.items()
         if name != "lm_head.weight"
     }

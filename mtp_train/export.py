@@ -35,7 +35,6 @@ from inference_ref.head_files import (
     NATIVE_CONFIG,
     read_head_files,
     read_native_config,
-    reads_back,
 )
 from inference_ref.head_spec import (
     CONFIG,
@@ -298,7 +297,7 @@ def _layout_writer(
             f"{', '.join(head.spec.kind.layouts)})"
         )
     check_layout(layout.tensors, layout.table, f"layout {name}")
-    if name in ("eagle3", "vllm") and reads_back(head.spec.kind):
+    if name in ("eagle3", "vllm"):
         # the native config, so that this directory alone is a head our loop reads back (head_files)
         layout.config[NATIVE_CONFIG] = head_config(head, identity, training, dtype, False)
     return lambda d: write_files(d, layout.tensors, layout.config, ENGINE_WEIGHTS)

@@ -419,12 +419,14 @@ def test_cli_writes_requested_layouts(tiny_target, identity, tmp_path):
         ("rmsnorm-restored", "vllm", 64),
         ("eagle1", "vllm", 0),
         ("eagle1", "vllm", 64),
+        ("dflash", "vllm", 0),  # vLLM's DFlashDraftModel
+        ("dflash", "vllm", 64),
     ],
 )
-def test_a_chained_head_engine_export_reads_back_as_its_native_head(
+def test_an_engine_export_reads_back_as_its_native_head(
     tiny_target, identity, tmp_path, variant, layout, draft_vocab
 ):
-    """A chained head's eagle3 / vllm export is a head directory in its own right: the training
+    """A head's eagle3 / vllm export is a head directory in its own right: the training
     module and the serving draft read it back to the native head's tensors (the whole vocabulary's
     vllm export holds no lm_head: vLLM shares the target's)."""
     from inference_ref.draft import load_draft
@@ -445,11 +447,14 @@ def test_a_chained_head_engine_export_reads_back_as_its_native_head(
     assert ex.read_head_config(out)["variant"] == variant  # export.checkpoint= takes it too
 
 
-def test_a_dflash_engine_export_is_refused_as_a_head_in_one_line(tiny_target, identity, tmp_path):
+def test_an_engine_export_without_the_native_config_is_refused_in_one_line(tiny_target, identity, tmp_path):
+    """Another tool's export (or one from before dflash exports carried it) names the fix."""
     native = ex.save_head(trained_head(tiny_target, "dflash"), tmp_path / "native", identity, {})
     out = ex.export_layouts(native, tiny_target, ["vllm"], tmp_path / "export")["vllm"]
-    assert "mtp_train_head" not in json.loads((out / "config.json").read_text())
-    with pytest.raises(ValueError, match="carries no native config: point at the head's native export"):
+    config = json.loads((out / "config.json").read_text())
+    del config["mtp_train_head"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="DFlashDraftModel.*carries no native config.*native export"):
         ex.load_head(out, tiny_target)
 
 
