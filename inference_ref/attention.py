@@ -188,14 +188,15 @@ _cached_kernel = "sdpa"
 
 def use_cached_kernel(name: str) -> None:
     """Which kernel `cached_attention` runs: "sdpa" (the default) or "flex"
-    (FlexAttention, compiled; `flex_cached_attention`). On the H200 at the Llama-3.1-8B shape, 32
-    layers' attention alone over a 1k-token cache, FlexAttention with a block mask built from the
-    rows' lengths (`benchmarks/bench_attention`, 2026-12-04, before it measured this kernel
-    itself): batch 1, two new tokens, 0.32 ms against SDPA's 1.85; one token 0.31 against 0.44;
-    batch 8, two tokens, 0.86 against 1.94. Not the default until this kernel and a whole verify
-    step are measured with it (`bench_attention`, `bench_verify_cost --cached-kernel flex`, #36).
-    On a CPU it runs too (Inductor's CPU template; the tests compare it with SDPA there), but
-    nothing there asks for it."""
+    (FlexAttention, compiled; `flex_cached_attention`). Whole verify steps on the H200 at the
+    Llama-3.1-8B shape, compiled layers, 1k-token cache (`bench_verify_cost`, 2026-12-04): at batch
+    1, 2–8 tokens cost 1.00–1.04× a decode step with flex (SDPA, eager layers: 1.29–1.36×); at
+    batch 8 flex was slower than SDPA, with the batch dynamic in the graph, which keeps
+    FlexAttention off its decoding kernel. Flex now compiles one graph per batch size
+    (`static_batch`), which is not yet measured, so SDPA stays the default. With flex, compiled
+    decoding at more than about four batch sizes in one process meets Dynamo's limit of 8 graphs
+    per function. On a CPU it runs too (Inductor's CPU template; the tests compare it with SDPA
+    there), but nothing there asks for it."""
     global _cached_kernel
     if name not in CACHED_KERNELS:
         raise ValueError(f"cached attention kernel {name!r}: one of {', '.join(CACHED_KERNELS)}")
@@ -269,6 +270,7 @@ def cached_attention(
     one-token step keeps `enable_gqa`, which was the faster of the two there
     (`benchmarks/bench_verify_cost`, docs/benchmarks.md)."""
     if _cached_kernel == "flex":
+        static_batch(q, k_cache, v_cache, mask)
         return _flex_compiled(q, k_cache, v_cache, mask)
     if q.shape[1] == 1:
         o = F.scaled_dot_product_attention(
@@ -287,6 +289,21 @@ def cached_attention(
         attn_mask=fold_mask(mask, group),
     )
     return unfold_groups(o, q.shape[1])
+
+
+def static_batch(*inputs: torch.Tensor) -> None:
+    """With the flex kernel, mark the batch (dim 0) of a compiled call's `inputs` static: one graph
+    per batch size, as engines capture one CUDA graph per batch size. FlexAttention takes its
+    decoding kernel (the keys split over thread blocks, for short queries) only where the graph
+    knows the batch and head counts (torch/_inductor/kernel/flex/flex_decoding.py,
+    `_use_flex_decoding`); with a dynamic batch it falls back to the main kernel. That is what a
+    batch of 8 met on the H200 (2026-12-04): a 2-token verify at 1.38× a decode step, while batch
+    1 (a size-1 dimension is always specialized) was at 1.00×. Nothing is marked with SDPA, or
+    while tracing (the compiled caller marked its own inputs)."""
+    if _cached_kernel != "flex" or torch.compiler.is_compiling():
+        return
+    for t in inputs:
+        torch._dynamo.mark_static(t, 0)
 
 
 def fold_groups(q: torch.Tensor, kv_heads: int) -> torch.Tensor:

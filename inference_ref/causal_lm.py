@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from inference_ref.attention import Placement, cache_slots
+from inference_ref.attention import Placement, cache_slots, static_batch
 
 
 def eos_token_ids(hf: dict) -> tuple[int, ...]:
@@ -171,6 +171,8 @@ class CausalLM(nn.Module):
         return self._layer_call("packed", packed_layer_forward, layer, *args)
 
     def cached_layer(self, layer: nn.Module, *args) -> torch.Tensor:
+        if self.runs_compiled("cached"):  # every input's dim 0 is the batch (flex only)
+            static_batch(*(a for a in args if isinstance(a, torch.Tensor)))
         return self._layer_call("cached", cached_layer_forward, layer, *args)
 
     def _layer_call(self, forward: str, plain, layer: nn.Module, *args) -> torch.Tensor:

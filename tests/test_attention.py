@@ -75,3 +75,26 @@ def test_flex_runs_inside_compiled_layers(flex):
     model.compile_layers()
     assert generate(model, prompts, 6, eos_ids=[]) == eager
     assert model.compile_proven == {"cached"}
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+def test_compiled_decoding_specializes_the_batch_for_flex_only(kernel):
+    """FlexAttention's decoding kernel needs the batch static in the graph (`attention.static_batch`):
+    with flex, compiled cached layers compile again for each new batch size and reuse a batch
+    size's graphs; with SDPA, once the batch is dynamic a new batch size compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    use_cached_kernel(kernel)
+    try:
+        model = random_llama(tiny_llama(num_attention_heads=6, num_key_value_heads=2), seed=4)
+        model.compile_layers()
+        new_graphs = []
+        for batch in (2, 3, 4, 3):
+            before = counters["stats"]["unique_graphs"]
+            generate(model, [[1, 2, 3, 4]] * batch, 3, eos_ids=[])
+            new_graphs.append(counters["stats"]["unique_graphs"] - before)
+    finally:
+        use_cached_kernel("sdpa")
+    assert new_graphs[0] > 0 and new_graphs[3] == 0  # compiled once per batch size at most
+    assert (new_graphs[2] > 0) == (kernel == "flex")  # batch 4: a graph of its own only for flex
