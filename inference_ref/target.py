@@ -52,7 +52,9 @@ def load_target(
     headroom: float = 0.1,
 ) -> TargetModel:
     """Load a target from a Hugging Face directory (any kind) or a Llama `.gguf` file.
-    `quantization="fp8"` turns its layers' linear maps into FP8 ones (`quantization.quantize`).
+    `quantization="fp8"` turns its layers' linear maps into FP8 ones (`quantization.quantize`);
+    `"fp8_static"` with static input scales, which the caller calibrates before the first forward
+    (`quantization.calibration`).
     `compile` fuses its layers (`CausalLM.compile_layers`) where that is measured: on CUDA, for a
     kind that is `compilable`; elsewhere it is ignored. `tp_mesh` (a one-dimensional device mesh of
     more than one rank) shards it (`inference_ref.tensor_parallel`), each rank reading only its
@@ -62,9 +64,9 @@ def load_target(
 
     path = Path(path)
     tp = 1 if tp_mesh is None else tp_mesh.size()
-    if quantization == "fp8" and tp > 1:
+    if quantization.startswith("fp8") and tp > 1:
         raise ValueError(
-            f"model.quantization=fp8 with model.tp_size={tp} is not supported yet: use one of them"
+            f"model.quantization={quantization} with model.tp_size={tp} is not supported yet: use one of them"
         )
     if path.suffix == ".gguf":
         if tp > 1:
@@ -82,10 +84,10 @@ def load_target(
             model = tensor_parallel.load_parallel(path, cfg, tp_mesh, device, dtype)
         else:
             model = TARGET_KINDS[cfg.model_type].load(path, device, dtype)
-    if quantization == "fp8":
-        quantize(model)
+    if quantization in ("fp8", "fp8_static"):  # fp8_static: the caller calibrates (`calibration`)
+        quantize(model, static_inputs=quantization == "fp8_static")
     elif quantization != "none":
-        raise ValueError(f"model.quantization: {quantization!r} is not one of none, fp8")
+        raise ValueError(f"model.quantization: {quantization!r} is not one of none, fp8, fp8_static")
     if compile and torch.device(device).type == "cuda" and model.compilable:
         model.compile_layers()
     return model

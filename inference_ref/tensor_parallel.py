@@ -206,8 +206,9 @@ def check_fits(
     if device.type != "cuda":
         return
     free, total = torch.cuda.mem_get_info(device)
-    per_weight = 1 if quantization == "fp8" else torch.empty((), dtype=dtype).element_size()
-    error = fit_error(cfg, tp, per_weight, free, total, headroom, quantization == "fp8")
+    fp8 = quantization.startswith("fp8")
+    per_weight = 1 if fp8 else torch.empty((), dtype=dtype).element_size()
+    error = fit_error(cfg, tp, per_weight, free, total, headroom, fp8)
     if error:
         raise ValueError(f"{device}: {error}")
 

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+QUANTIZATIONS = ("none", "fp8", "fp8_static")
+"""`model.quantization`'s values (`fp8_static`: precompute only)."""
+
 
 class ConfigError(ValueError):
     """A config value out of its range, or a key no component has: one line naming the field."""
@@ -64,7 +67,12 @@ class ModelConfig:
 
     def __post_init__(self):
         require(self.head_mlp in ("dense", "moe"), "model.head_mlp", self.head_mlp, "dense or moe")
-        require(self.quantization in ("none", "fp8"), "model.quantization", self.quantization, "none or fp8")
+        require(
+            self.quantization in QUANTIZATIONS,
+            "model.quantization",
+            self.quantization,
+            "none, fp8 or fp8_static",
+        )
         require(
             self.dtype in ("auto", "bfloat16", "float32"),
             "model.dtype",
@@ -87,7 +95,11 @@ class ModelConfig:
     quantization: str = "none"
     """The target's linear maps: `none` (the model's dtype) or `fp8` (e4m3 weights with a scale per
     output channel, activations scaled per token; FP8 tensor cores on Hopper) for precompute,
-    regeneration and validation alike. Embeddings, lm_head and routers keep the model's dtype."""
+    regeneration and validation alike. `fp8_static`, precompute only: one input scale per linear
+    map instead of one per token (vLLM's static FP8 scheme), calibrated on the data's first
+    `precompute.tokens_per_batch` tokens before anything is stored (1.61× bf16 at the Llama-3.1-8B
+    shape against fp8's 1.56×, docs/benchmarks.md). Embeddings, lm_head and routers keep the
+    model's dtype."""
     tp_size: int = 1
     """Tensor-parallel ranks the target is sharded over (`inference_ref.tensor_parallel`; Llama-layer
     kinds). Under `accelerate launch` with N processes, N / tp_size groups split precompute's and

@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.head_spec import check_aux_layers
+from inference_ref.quantization import calibration
 from inference_ref.target import TargetModel, load_target
 from mtp_train import config as _config  # noqa: F401  (registers the Hydra schema)
 from mtp_train.cli import one_line_errors
@@ -286,6 +287,8 @@ def precompute_rank(job: RankJob, ranks: Ranks) -> None:
     if todo:
         dtype = model_dtype(job.model_dtype, ranks.device)
         model = load_target(job.target_dir, ranks.device, dtype, job.compile, job.quantization, ranks.tp_mesh)
+        if job.quantization == "fp8_static":
+            calibrate_static_fp8(model, job)
         started = time.perf_counter()
         tokens = write_hidden_states(model, job, todo, writer)
         seconds = time.perf_counter() - started
@@ -296,6 +299,21 @@ def precompute_rank(job: RankJob, ranks: Ranks) -> None:
             )
     if writer:
         writer.finish()
+
+
+def calibrate_static_fp8(model: TargetModel, job: RankJob) -> None:
+    """`model.quantization=fp8_static`: each linear map's input scale from an eager forward of the
+    data's first `tokens_per_batch` tokens, in the data's own order, whichever rank this is and
+    whatever is stored already, so that every rank and every resumed run has the same scales."""
+    first, tokens = [], 0
+    for k, sample in enumerate(job.samples):
+        if first and tokens + len(sample.input_ids) > job.tokens_per_batch:
+            break
+        first.append(k)
+        tokens += len(sample.input_ids)
+    with torch.inference_mode(), calibration(model):
+        forward_batch(model, job.samples, first, job.hidden_dtype, job.capture, copy=False)
+    print(f"precompute rank {job.rank}: static FP8 input scales calibrated on {tokens:,} tokens")
 
 
 def write_hidden_states(model: TargetModel, job: RankJob, todo: list[int], writer: ShardWriter | None) -> int:

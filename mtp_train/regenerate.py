@@ -41,7 +41,7 @@ from mtp_train.config import ConfigError, RegenerateConfig, checked
 from mtp_train.data import Message, Prompt, load_prompts, prompt_ids
 from mtp_train.locks import exclusive
 from mtp_train.parallel import Ranks, one_process
-from mtp_train.run import resolve_run
+from mtp_train.run import refuse_static_fp8, resolve_run
 
 
 @dataclass
@@ -200,6 +200,7 @@ def regenerate(
 
 
 def _regenerate(rcfg, target_dir, device, dtype, quantization, ranks, capture) -> dict:
+    refuse_static_fp8(quantization, "regeneration")
     ranks = ranks or one_process(device)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     out, counts = Path(rcfg.output), Counts()

@@ -81,6 +81,16 @@ def resolve_run(
     return Run(Target.resolve(model.target), device, dtype, model.quantization, ranks)
 
 
+def refuse_static_fp8(quantization: str, stage: str) -> None:
+    """`model.quantization=fp8_static` is calibrated by precompute only (on its data's first batch);
+    a stage that would load such a target uncalibrated says so at once, in one line."""
+    if quantization == "fp8_static":
+        raise ValueError(
+            f"model.quantization=fp8_static: {stage} does not calibrate static FP8 input scales "
+            "(precompute does, on its data's first batch): use model.quantization=fp8 here"
+        )
+
+
 def aux_layers_of(model, target: TargetConfig) -> tuple[int, ...]:
     """`model.aux_layers`, or the engines' default for this target's depth (what a store keeps
     with `precompute.aux`)."""

@@ -37,7 +37,7 @@ from mtp_train.heads import MTPHead, build
 from mtp_train.locks import exclusive
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.progress import Progress
-from mtp_train.run import Run, Target, head_spec, resolve_run
+from mtp_train.run import Run, Target, head_spec, refuse_static_fp8, resolve_run
 from mtp_train.states import OnlineStates, StoreStates
 from mtp_train.states import choose as choose_states
 from mtp_train.store import Store
@@ -338,6 +338,7 @@ def open_states(cfg: RunConfig, run: Run, mode: str, data, aux_layers: tuple[int
     from inference_ref.target import load_target
     from mtp_train.precompute import data_hash
 
+    refuse_static_fp8(run.quantization, "online training (train.states=online)")
     model = load_target(
         run.target.dir, run.device, run.dtype, cfg.precompute.compile, run.quantization, run.tp_mesh
     )

@@ -289,6 +289,37 @@ def test_fp8_store(reference, tiny_target, chat_file, tmp_path):
     assert shard_bytes < 0.6 * sum(s["bytes"] for s in reference.manifest["shards"])
 
 
+def states_error(store: Store, reference: Store) -> float:
+    """Relative RMS error of a store's last-layer states against the reference store's."""
+    ref, got = by_sample_id(reference), by_sample_id(store)
+    a = torch.cat([ref[k][2].float() for k in ref])
+    b = torch.cat([got[k][2].float() for k in ref])
+    return float((b - a).pow(2).sum().sqrt() / a.pow(2).sum().sqrt())
+
+
+def test_a_static_fp8_target_is_calibrated_then_stores_close_states(
+    reference, tiny_target, chat_file, tmp_path
+):
+    """model.quantization=fp8_static: the scales are calibrated on the data's first batch before
+    anything is stored (an uncalibrated map would refuse to run), the states stay within FP8's
+    error of the unquantized target's, and a second run (or a resumed one) gets the same scales."""
+    stores = []
+    for run in ("a", "b"):
+        cfg = make_cfg(tiny_target, chat_file, tmp_path / run)
+        cfg.model.quantization = "fp8_static"
+        stores.append(Store(run_precompute(cfg)))
+    assert stores[0].manifest["target_quantization"] == "fp8_static"
+    per_token = make_cfg(tiny_target, chat_file, tmp_path / "per_token")
+    per_token.model.quantization = "fp8"
+    error, per_token_error = (
+        states_error(stores[0], reference),
+        states_error(Store(run_precompute(per_token)), reference),
+    )
+    print(f"FP8 target states against the unquantized: static {error:.4f}, per token {per_token_error:.4f}")
+    assert 0 < error < 2 * per_token_error
+    assert states_error(stores[1], stores[0]) == 0
+
+
 def test_refuses_to_start_without_disk_space(tiny_target, chat_file, tmp_path, monkeypatch, capsys):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 5000, 5000))

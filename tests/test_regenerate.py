@@ -51,6 +51,16 @@ def read(path) -> list[dict]:
     return [json.loads(line) for line in open(path, encoding="utf-8")]
 
 
+def test_a_static_fp8_target_is_refused_before_anything_is_read(tiny_target, prompts_file, tmp_path):
+    """Only precompute calibrates static FP8 input scales (tests/test_precompute.py)."""
+    cfg = config(prompts_file, tmp_path)
+    with pytest.raises(
+        ValueError, match="fp8_static: regeneration does not calibrate.*model.quantization=fp8"
+    ):
+        regenerate(cfg, tiny_target, quantization="fp8_static")
+    assert not (tmp_path / "out").exists()
+
+
 def test_output_format_and_multi_turn_order(tiny_target, prompts_file, tmp_path):
     cfg = config(prompts_file, tmp_path)
     counts = regenerate(cfg, tiny_target)

@@ -20,7 +20,7 @@ from inference_ref.speculative import SSD, Chain, SpecStats, speculative_generat
 from inference_ref.target import TargetModel, load_target
 from inference_ref.tree import TreeShape
 from mtp_train.data import Prompt, prompt_ids
-from mtp_train.run import Run
+from mtp_train.run import Run, refuse_static_fp8
 from mtp_train.target_files import check_same_target
 
 
@@ -38,6 +38,7 @@ class Evaluator:
         config = read_native_config(head_dir)  # a native or an eagle3/vllm export
         check_head_fits_target(config, run.target.config)  # before loading the target
         check_same_target(run.target.identity, config["target"], f"head {head_dir}")
+        refuse_static_fp8(run.quantization, "validation")
         target = load_target(run.target.dir, run.device, run.dtype, compile, run.quantization, run.tp_mesh)
         tokenizer = AutoTokenizer.from_pretrained(str(run.target.dir))
         eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
