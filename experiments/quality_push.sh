@@ -156,6 +156,8 @@ train() {  # name, steps, overrides...
   shift 2
   [ -f "$R/heads/$name/train_summary.json" ] && return
   [[ " $* " == *" train.lr="* ]] || lr=("train.lr=$LR")
+  [ "$GREEDY" = true ] || [[ " $* " == *" data.train_files="* ]] ||
+    { log "$name: GREEDY=false makes no answer set of its own: its line must set data.train_files"; return 1; }
   [ "$STORE" = true ] || states=(train.states=online "${data[@]}")  # before the line's own: it may override
   local launch=(python3 -m)
   # one DeepSpeed run at a time: its single process still takes the rendezvous port

@@ -249,11 +249,12 @@ def _forward_only() -> dict:
 
 
 _FORWARD_ONLY = _forward_only()
-# Dynamic shapes after the first: a static graph for the first (batch, new tokens, keys), then one
-# graph for every other shape. One static graph per shape would pass Dynamo's limit of 8 compiled
+# Dynamic shapes after the first, except the batch (`static_batch`): one graph per batch size, the
+# token and key counts dynamic. One static graph per shape would pass Dynamo's limit of 8 compiled
 # variants per function within one benchmark (4 batches × 10 token counts), after which
-# FlexAttention runs eagerly, unfused, without an error. The mask's values are an input, not a
-# guard (each call's mask is a new tensor). Inside compiled layers this is traced inline.
+# FlexAttention runs eagerly, unfused, without an error (the benchmarks raise the limit and fail
+# past it: `strict_compile`). The mask's values are an input, not a guard (each call's mask is a
+# new tensor). Inside compiled layers this is traced inline.
 _flex_compiled = torch.compile(flex_cached_attention, dynamic=None)
 
 

@@ -4,8 +4,9 @@
   `format: mtp-train-head`;
 - an engine export that carries the native config under `mtp_train_head` in the `config.json` the
   engine reads, beside `model.safetensors` under the engine's names: the `eagle3` layout and the
-  `vllm` layout of eagle3 / eagle3.1 heads (the EAGLE-3 layout: `midlayer.`), and the `vllm` layout
-  of rmsnorm-restored / eagle1 heads (the plugin's: `layers.0.`). Its tensors are renamed back here.
+  `vllm` layout of eagle3 / eagle3.1 heads (the EAGLE-3 layout: `midlayer.`), the `vllm` layout
+  of rmsnorm-restored / eagle1 heads (the plugin's: `layers.0.`) and that of dflash heads (vLLM's
+  DFlashDraftModel: `layers.<i>.`). Its tensors are renamed back here.
 
 So a published head is one directory that vLLM serves as it is and that our loop validates.
 """

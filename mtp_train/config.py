@@ -97,7 +97,7 @@ class ModelConfig:
     output channel, activations scaled per token; FP8 tensor cores on Hopper) for precompute,
     regeneration and validation alike. `fp8_static`, precompute only: one input scale per linear
     map instead of one per token (vLLM's static FP8 scheme), calibrated on the data's first
-    `precompute.tokens_per_batch` tokens before anything is stored (1.61× bf16 at the Llama-3.1-8B
+    8,192 tokens before anything is stored (1.61× bf16 at the Llama-3.1-8B
     shape against fp8's 1.56×, docs/benchmarks.md). Embeddings, lm_head and routers keep the
     model's dtype."""
     tp_size: int = 1

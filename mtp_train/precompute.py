@@ -301,13 +301,19 @@ def precompute_rank(job: RankJob, ranks: Ranks) -> None:
         writer.finish()
 
 
+FP8_CALIBRATION_TOKENS = 8192
+"""`model.quantization=fp8_static`: the data's first this many tokens (whole samples, at least one)
+set the input scales; a fixed budget, not `tokens_per_batch`, so that a run resumed with smaller
+batches (after running out of memory) keeps its scales."""
+
+
 def calibrate_static_fp8(model: TargetModel, job: RankJob) -> None:
     """`model.quantization=fp8_static`: each linear map's input scale from an eager forward of the
-    data's first `tokens_per_batch` tokens, in the data's own order, whichever rank this is and
-    whatever is stored already, so that every rank and every resumed run has the same scales."""
+    data's first `FP8_CALIBRATION_TOKENS` tokens, in the data's own order, whichever rank this is
+    and whatever is stored already, so that every rank and every resumed run has the same scales."""
     first, tokens = [], 0
     for k, sample in enumerate(job.samples):
-        if first and tokens + len(sample.input_ids) > job.tokens_per_batch:
+        if first and tokens + len(sample.input_ids) > FP8_CALIBRATION_TOKENS:
             break
         first.append(k)
         tokens += len(sample.input_ids)

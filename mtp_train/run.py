@@ -82,12 +82,12 @@ def resolve_run(
 
 
 def refuse_static_fp8(quantization: str, stage: str) -> None:
-    """`model.quantization=fp8_static` is calibrated by precompute only (on its data's first batch);
+    """`model.quantization=fp8_static` is calibrated by precompute only (on its data's first 8,192 tokens);
     a stage that would load such a target uncalibrated says so at once, in one line."""
     if quantization == "fp8_static":
         raise ValueError(
             f"model.quantization=fp8_static: {stage} does not calibrate static FP8 input scales "
-            "(precompute does, on its data's first batch): use model.quantization=fp8 here"
+            "(precompute does, on its data's first 8,192 tokens): use model.quantization=fp8 here"
         )
 
 

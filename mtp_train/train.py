@@ -298,6 +298,8 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, TrainingStates, int]:
     state, the run, the states and the step to start from."""
     checked(cfg)
     tc = cfg.train
+    if tc.validate_every or tc.spec_validate_at:  # before any step, not at the first validation
+        refuse_static_fp8(cfg.model.quantization, "validation during training (train.validate_every)")
     for line in setting_notes(cfg):
         print(line, flush=True)
     # cpu=True without CUDA: otherwise accelerate ignores torchrun's ranks on a CPU-only host.

@@ -171,6 +171,19 @@ def test_a_store_of_another_target_is_refused(smollm2, tiny_store, tmp_path):
         train(cfg)
 
 
+def test_static_fp8_is_refused_before_the_first_step_when_training_validates(
+    tiny_target, tiny_store, tmp_path
+):
+    """Validation loads the target and does not calibrate static FP8 scales (only precompute does)."""
+    extra = ["model.quantization=fp8_static", "train.steps=2", "train.validate_every=1"]
+    with pytest.raises(
+        ValueError,
+        match=r"fp8_static: validation during training \(train.validate_every\) does not calibrate",
+    ):
+        train(config(tiny_overrides(tiny_target, tmp_path / "run", tiny_store, *extra)))
+    assert not (tmp_path / "run" / "train" / "metrics.jsonl").exists()  # refused before any step
+
+
 def test_validation_runs_inside_training(tiny_target, tiny_store, tmp_path):
     mt_bench = Path(__file__).resolve().parent.parent / "data" / "mt_bench.jsonl"
     run = tmp_path / "run"

@@ -124,8 +124,8 @@ def head_method(head_dir: str | Path) -> str:
 
 def check_head_fits_target(head_dir: str | Path, target_dir: str | Path) -> None:
     """Refuse a head made for another target: sizes and auxiliary layers against the target's
-    config, and where the export records it (the plugin's `mtp_train` block, or a chained
-    head's native config under `mtp_train_head`) the target identity."""
+    config, and where the export records it (the plugin's `mtp_train` block, or the head's
+    native config under `mtp_train_head`) the target identity."""
     from inference_ref.head_spec import read_json
     from mtp_train.target_files import check_same_target, target_identity
 
@@ -152,7 +152,7 @@ def check_head_fits_target(head_dir: str | Path, target_dir: str | Path) -> None
             f"head {head_dir} was exported for a {block['target_layers']}-layer target, "
             f"target {target_dir} has {target['num_hidden_layers']} layers"
         )
-    # the plugin's block, or a chained head's native config, records the target
+    # the plugin's block, or the head's native config, records the target
     recorded = block["target"] if block else (config.get("mtp_train_head") or {}).get("target")
     if recorded:
         try:
