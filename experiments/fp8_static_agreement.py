@@ -67,7 +67,7 @@ def main() -> None:
     quantize(model)
     figures["fp8_per_token_inputs"] = compare(normed_states(model, compared), ref, lm_head)
 
-    model = quantize(load_target(target, "cpu", torch.float32), static_inputs=True)
+    model = load_target(target, "cpu", torch.float32, quantization="fp8_static")
     with calibration(model):
         normed_states(model, calibration_ids)
     figures["calibration_positions"] = sum(map(len, calibration_ids))

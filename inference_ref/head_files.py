@@ -28,6 +28,8 @@ EAGLE3_LAYER = "midlayer."
 """The decoder layer's prefix in the EAGLE-3 layout (`layer.` natively)."""
 PLUGIN_LAYER = "layers.0."
 """The decoder layer's prefix in the vLLM plugin's layout of rmsnorm-restored / eagle1 heads."""
+DFLASH_LAYERS = "layers."
+"""The decoder layers' prefix in vLLM's DFlashDraftModel layout (`layers.<i>.`; `layer.<i>.` natively)."""
 
 
 def read_config(path: Path) -> dict:
@@ -76,30 +78,20 @@ def read_head_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if native is config:
         return native, tensors
     if HEAD_KINDS[native["variant"]].blocks:
-        return native, native_from_dflash(tensors)
+        return native, native_from_layers(tensors, DFLASH_LAYERS)
     if any(name.startswith(PLUGIN_LAYER) for name in tensors):
-        return native, native_from_plugin(tensors)
+        return native, native_from_layers(tensors, PLUGIN_LAYER)
     return native, native_from_eagle3(tensors, native["draft_vocab_size"])
 
 
-def native_from_plugin(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of the plugin layout's renaming: the layer back under `layer.`; enorm, hnorm,
-    fc, norm and a draft vocabulary's d2t keep their native names. A draft vocabulary's lm_head
-    rows are dropped: they are the target's rows at d2t's ids (in the export's dtype), which the
-    native head takes from the target itself."""
+def native_from_layers(tensors: dict[str, torch.Tensor], engine_prefix: str) -> dict[str, torch.Tensor]:
+    """The inverse of a layout that renames the layer prefix only: `engine_prefix` back to `layer.`
+    (the plugin's layout: `layers.0.` → `layer.`; DFlashDraftModel's: `layers.<i>.` → `layer.<i>.`).
+    Every other tensor (enorm, hnorm, fc, hidden_norm, norm, a draft vocabulary's d2t) keeps its
+    native name. A draft vocabulary's lm_head rows are dropped: they are the target's rows at d2t's
+    ids (in the export's dtype), which the native head takes from the target itself."""
     return {
-        ("layer." + name[len(PLUGIN_LAYER) :] if name.startswith(PLUGIN_LAYER) else name): t
-        for name, t in tensors.items()
-        if name != "lm_head.weight"
-    }
-
-
-def native_from_dflash(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of the DFlashDraftModel layout's renaming (`layouts.dflash_export`): its
-    `layers.<i>.` back under `layer.<i>.`; fc, hidden_norm, norm and a draft vocabulary's d2t keep
-    their names, and the lm_head rows are dropped as in `native_from_plugin`."""
-    return {
-        ("layer." + name[len("layers.") :] if name.startswith("layers.") else name): t
+        ("layer." + name[len(engine_prefix) :] if name.startswith(engine_prefix) else name): t
         for name, t in tensors.items()
         if name != "lm_head.weight"
     }
