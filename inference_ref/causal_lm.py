@@ -103,6 +103,10 @@ class KVCache:
         past the committed entries and sees the ones before it, without committing them."""
         return KVCache(self.k, self.v, self.lengths + n)
 
+    def rows(self, index: torch.Tensor) -> KVCache:
+        """A new cache holding only rows `index` (copied): a batch whose finished rows leave it."""
+        return KVCache(self.k[:, index], self.v[:, index], self.lengths[index])
+
     def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, new] the next `new` tokens take, and their mask (`attention.cache_slots`)."""
         return cache_slots(self.lengths, self.max_len, new, static)

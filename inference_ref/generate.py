@@ -142,12 +142,18 @@ def generate(
     generator: torch.Generator | None = None,
     states: States | None = None,
     stop_repeat: int = 0,
+    compact: bool = False,
 ) -> list[list[int]]:
     """New tokens per prompt (up to and including the first EOS), greedy at temperature 0.
     A `generator` must be on the model's device. `states` keeps the target's states (see `States`).
     `stop_repeat` n > 0: a row also stops when its last n new tokens repeat an earlier n-gram of its
     output (a loop: small targets answer long prompts by repeating themselves), with that n-gram
-    kept once; the row stops where it stands, so `states` stay aligned."""
+    kept once; the row stops where it stands, so `states` stay aligned.
+    `compact`: once half the batch has finished, the finished rows leave it (a smaller cache and
+    step). Without it every row steps until the last finishes; with a long `max_new_tokens` most of
+    those steps are spent on finished rows. Not with `states`, whose cache must keep every row; and
+    a row's numbers may differ in the last bits at another batch size, so the speculative loop's
+    reference is the call without it."""
     eos = set(eos_ids)
     loops = [Loop(stop_repeat) for _ in prompts] if stop_repeat else None
     capture, room = (states.capture, states.room) if states else ((), 0)
@@ -155,21 +161,29 @@ def generate(
     token = sample(last_logits(model, hidden, cache.lengths), temperature, generator)
     outputs: list[list[int]] = [[] for _ in prompts]
     active = [True] * len(prompts)
+    rows = list(range(len(prompts)))  # the prompt each cache row answers
     decode = DecodeStep(model, cache, capture=capture)  # a CUDA graph on GPU, the eager step elsewhere
     if states:
+        if compact:
+            raise ValueError("generate: compact drops rows from the cache that states keeps")
         states.start(model, cache, hidden)
     while True:
-        for b, t in enumerate(token.tolist()):
+        for b, t in zip(rows, token.tolist()):
             if active[b]:
                 active[b] = not append_until_done(outputs[b], [t], eos, max_new_tokens)
                 if active[b] and loops:
                     active[b] = not loops[b].repeats(outputs[b])
-        if not any(active):
+        live = [j for j, b in enumerate(rows) if active[b]]
+        if not live:
             return outputs
+        if compact and len(live) <= len(rows) // 2:
+            index = torch.tensor(live, device=token.device)
+            cache, token, rows = cache.rows(index), token[index], [rows[j] for j in live]
+            decode = DecodeStep(model, cache, capture=capture)
         # Every row steps (one batched forward); only active rows commit, so a finished row keeps
         # rewriting the same scratch slot and never grows past the cache.
         logits = decode(token[:, None])
         if states:
             states.steps.append(decode.hidden[:, -1].clone())  # a graph's buffer is refilled next step
-        cache.lengths += torch.tensor(active, device=token.device)
+        cache.lengths += torch.tensor([active[b] for b in rows], device=token.device)
         token = sample(logits, temperature, generator)

@@ -170,7 +170,15 @@ class Answerer:
         rc, states = self.rcfg, self.capture and self.capture.states()
         eos = sorted(self.eos)
         new = generate(
-            self.model, ids, rc.max_new_tokens, eos, rc.temperature, self.generator, states, rc.stop_repeat
+            self.model,
+            ids,
+            rc.max_new_tokens,
+            eos,
+            rc.temperature,
+            self.generator,
+            states,
+            rc.stop_repeat,
+            compact=not states,  # finished rows leave the batch, unless their states are kept
         )
         for i, tokens in zip(asking, new):
             content = answer_text(self.tokenizer, tokens, self.eos, counts, rc.max_new_tokens)

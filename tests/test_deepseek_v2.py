@@ -141,6 +141,17 @@ def test_greedy_generation_matches_transformers(pair):
         assert tokens == out[0, len(prompt) :].tolist()
 
 
+def test_finished_rows_leave_the_latent_cache_and_the_rest_decode_the_same(pair):
+    """`generate(compact=True)` copies the unfinished rows of the latent cache (`LatentCache.rows`)."""
+    _, model, _ = pair
+    prompts = [[5, 6, 7, 8, 9], list(range(30, 47)), [100, 3, 200], [7] * 11]
+    greedy = generate(model, prompts, max_new_tokens=20, eos_ids=[])
+    eos = [greedy[0][2], greedy[1][3]]  # rows 0 and 1 stop early
+    plain = generate(model, prompts, max_new_tokens=20, eos_ids=eos)
+    assert sorted(map(len, plain))[1] < 20 == max(map(len, plain))  # 2 of 4 done while others decode
+    assert generate(model, prompts, max_new_tokens=20, eos_ids=eos, compact=True) == plain
+
+
 def test_speculative_decoding_through_the_latent_cache_equals_greedy(pair):
     """The speculative loop (verify k + 1 tokens, commit a per-row count) with this target and a
     random Llama-kind draft reproduces the target's own greedy output."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from inference_ref import generate as generate_module
 from inference_ref.generate import generate, sample
 from inference_ref.models.llama import load_llama
 
@@ -88,6 +89,31 @@ def test_eos_stops_a_row_and_is_included(tiny_target):
     for full, cut in zip(greedy, out):
         n = full.index(stop) + 1 if stop in full else len(full)
         assert cut == full[:n]
+
+
+def stops_early(greedy: list[list[int]], rows: int) -> list[int]:
+    """End-of-sequence ids that stop the first `rows` greedy rows after 2–4 tokens (and maybe others)."""
+    return [row[2 + b % 3] for b, row in enumerate(greedy[:rows])]
+
+
+def test_finished_rows_leave_the_batch_and_the_rest_decode_the_same(smollm2, monkeypatch):
+    """`compact`: once half the rows are done the step runs on the others only; every row's tokens
+    are the ones the full batch decodes (real text: the tiny model repeats one token)."""
+    model = load_llama(smollm2)
+    prompts = chat_prompts(smollm2)
+    eos = stops_early(generate(model, prompts, 24, []), 3)
+    plain = generate(model, prompts, 24, eos)
+    assert sorted(map(len, plain))[2] < max(map(len, plain))  # 3 of 5 done while others decode
+    batches = []
+
+    def spy(model, cache, **kw):
+        batches.append(cache.lengths.shape[0])
+        return decode_step(model, cache, **kw)
+
+    decode_step = generate_module.DecodeStep
+    monkeypatch.setattr(generate_module, "DecodeStep", spy)
+    assert generate(model, prompts, 24, eos, compact=True) == plain
+    assert batches[0] == len(prompts) and batches[-1] <= len(prompts) // 2
 
 
 def test_sample_at_temperature_zero_is_argmax():

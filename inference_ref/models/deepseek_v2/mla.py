@@ -150,6 +150,10 @@ class LatentCache:
         """The same storage with every row `n` entries longer (see `causal_lm.KVCache.shifted`)."""
         return LatentCache(self.kv, self.lengths + n)
 
+    def rows(self, index: torch.Tensor) -> LatentCache:
+        """A new cache holding only rows `index` (see `causal_lm.KVCache.rows`)."""
+        return LatentCache(self.kv[:, index], self.lengths[index])
+
     def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, new] the next `new` tokens take, and their mask (`attention.cache_slots`)."""
         return cache_slots(self.lengths, self.max_len, new, static)
