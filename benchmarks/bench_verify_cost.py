@@ -7,6 +7,8 @@ with a head's measured acceptance into projected speed-ups (`mtp_train.projectio
     python -m benchmarks.bench_verify_cost --shape llama3_70b --layers 8 16
     python -m benchmarks.bench_verify_cost --shape llama3_8b --cached-kernel flex   # FlexAttention
     python -m benchmarks.bench_verify_cost --shape llama3_8b --compiled-layers      # compiled layers
+    python -m benchmarks.bench_verify_cost --shape llama3_8b --cached-kernel mixed --compiled-layers
+                                        # SDPA decodes, flex verifies: the default of compiled layers
 
 A shape too large for one GPU is measured with fewer layers, twice (`--layers A B`), and the full
 depth extrapolated linearly: cost(L) = cost(A) + (L − A) · (cost(B) − cost(A)) / (B − A); the
@@ -103,7 +105,8 @@ def main() -> None:
         choices=CACHED_KERNELS,
         default="sdpa",
         help="the cached attention's kernel (inference_ref.attention.use_cached_kernel); "
-        "not sdpa: written to verify_cost_<shape>_<kernel>.json beside the default's",
+        "not sdpa: written to verify_cost_<shape>_<kernel>.json beside sdpa's (the library's own default, auto, "
+        "runs mixed in compiled layers on CUDA)",
     )
     p.add_argument(
         "--compiled-layers",

@@ -182,25 +182,46 @@ def tree_placement(
     return Placement(slots, positions, mask.unsqueeze(1))
 
 
-CACHED_KERNELS = ("sdpa", "flex")
-_cached_kernel = "sdpa"
+CACHED_KERNELS = ("auto", "sdpa", "flex", "mixed")
+_cached_kernel = "auto"
+FLEX_MAX_NEW = 8
+"""The most new tokens per row "mixed" gives FlexAttention: the range measured against SDPA at
+every batch (2–8 tokens at batches 1–64, 2026-12-04). Longer queries (prefills, large trees) keep SDPA."""
 
 
 def use_cached_kernel(name: str) -> None:
-    """Which kernel `cached_attention` runs: "sdpa" (the default) or "flex"
-    (FlexAttention, compiled; `flex_cached_attention`). Whole verify steps on the H200 at the
-    Llama-3.1-8B shape, compiled layers, 1k-token cache (`bench_verify_cost`, 2026-12-04): at batch
-    1, 2–8 tokens cost 1.00–1.04× a decode step with flex (SDPA, eager layers: 1.29–1.36×); at
-    batch 8 flex was slower than SDPA, with the batch dynamic in the graph, which keeps
-    FlexAttention off its decoding kernel. Flex now compiles one graph per batch size
-    (`static_batch`), which is not yet measured, so SDPA stays the default. With flex, compiled
-    decoding at more than about four batch sizes in one process meets Dynamo's limit of 8 graphs
-    per function. On a CPU it runs too (Inductor's CPU template; the tests compare it with SDPA
-    there), but nothing there asks for it."""
+    """Which kernel `cached_attention` runs (`kernel_for`):
+
+    - "sdpa": SDPA for every call;
+    - "flex": FlexAttention for every call (compiled; `flex_cached_attention`);
+    - "mixed": SDPA for one-token steps (decoding), flex for 2 to `FLEX_MAX_NEW` tokens (verifying);
+    - "auto", the default: "mixed" in compiled layers on CUDA (`CausalLM.compile_layers`), "sdpa"
+      elsewhere.
+
+    Whole steps on the H200 at the Llama-3.1-8B shape, compiled layers, 1k-token cache, graphed
+    (`bench_verify_cost`, 2026-12-04; docs/benchmarks.md): flex verifies 2–8 tokens faster than
+    SDPA at every batch from 1 to 64 (batch 8: 5.61–6.10 ms against 6.42–6.97), SDPA decodes one
+    token faster at every batch (batch 32: 6.10 ms against 7.27), hence "mixed". Eager layers
+    keep SDPA under "auto": with them flex was measured only with the batch dynamic. With flex,
+    compiled steps get one graph per batch size (`static_batch`): more than about four batch sizes
+    in one process meet Dynamo's limit of 8 graphs per function. On a CPU flex runs too (Inductor's
+    CPU template; the tests compare it with SDPA there), but compiling it there costs more than it
+    saves, so "auto" keeps SDPA."""
     global _cached_kernel
     if name not in CACHED_KERNELS:
         raise ValueError(f"cached attention kernel {name!r}: one of {', '.join(CACHED_KERNELS)}")
     _cached_kernel = name
+
+
+def kernel_for(new: int, device_type: str, compiled: bool, kernel: str | None = None) -> str:
+    """ "sdpa" or "flex": what `kernel` (the one chosen by `use_cached_kernel` when None) runs for
+    `new` query tokens per row on `device_type`, inside compiled layers or not."""
+    kernel = kernel or _cached_kernel
+    if kernel == "auto":  # the measured configuration only: compiled layers on CUDA
+        kernel = "mixed" if device_type == "cuda" and compiled else "sdpa"
+    if kernel == "mixed":
+        return "flex" if 1 < new <= FLEX_MAX_NEW else "sdpa"
+    return kernel
 
 
 FLEX_BLOCK = 128
@@ -262,7 +283,7 @@ def cached_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """q [B, S, Hq, d]; caches [B, K, Hkv, d] (already holding the new entries); mask [B,1,S,K].
-    After `use_cached_kernel("flex")`: `flex_cached_attention`. Otherwise SDPA:
+    Where `kernel_for` says flex: `flex_cached_attention`. Otherwise SDPA:
 
     For S > 1 (a verify, a prefill) the query heads that share a K/V head are folded into the
     query length ([B, Hkv, group·S, d]), as decode kernels do: with a mask and S > 1, SDPA's
@@ -270,7 +291,7 @@ def cached_attention(
     which made a verify of two tokens cost 2–3× a decode step at batch 32–64 on the H200. A
     one-token step keeps `enable_gqa`, which was the faster of the two there
     (`benchmarks/bench_verify_cost`, docs/benchmarks.md)."""
-    if _cached_kernel == "flex":
+    if kernel_for(q.shape[1], q.device.type, torch.compiler.is_compiling()) == "flex":
         static_batch(q, k_cache, v_cache, mask)
         return _flex_compiled(q, k_cache, v_cache, mask)
     if q.shape[1] == 1:
@@ -292,18 +313,19 @@ def cached_attention(
     return unfold_groups(o, q.shape[1])
 
 
-def static_batch(*inputs: torch.Tensor) -> None:
-    """With the flex kernel, mark the batch (dim 0) of a compiled call's `inputs` static: one graph
-    per batch size, as engines capture one CUDA graph per batch size. FlexAttention takes its
-    decoding kernel (the keys split over thread blocks, for short queries) only where the graph
-    knows the batch and head counts (torch/_inductor/kernel/flex/flex_decoding.py,
-    `_use_flex_decoding`); with a dynamic batch it falls back to the main kernel. That is what a
-    batch of 8 met on the H200 (2026-12-04): a 2-token verify at 1.38× a decode step, while batch
-    1 (a size-1 dimension is always specialized) was at 1.00×. Nothing is marked with SDPA, or
-    while tracing (the compiled caller marked its own inputs)."""
-    if _cached_kernel != "flex" or torch.compiler.is_compiling():
+def static_batch(x: torch.Tensor, *others: torch.Tensor, compiled: bool = False) -> None:
+    """Where the flex kernel serves queries x [B, S, ...] (`kernel_for`; `compiled`: inside the
+    compiled layers about to be called), mark the batch (dim 0) of a compiled call's inputs (x and
+    `others`) static: one graph per batch size, as engines capture
+    one CUDA graph per batch size. FlexAttention takes its decoding kernel (the keys split over
+    thread blocks, for short queries) only where the graph knows the batch and head counts
+    (torch/_inductor/kernel/flex/flex_decoding.py, `_use_flex_decoding`); with a dynamic batch it
+    falls back to the main kernel. That is what a batch of 8 met on the H200 (2026-12-04): a 2-token
+    verify at 1.38× a decode step with the batch dynamic, 1.01× with it static. Nothing is marked
+    where SDPA serves x, or while tracing (the compiled caller marked its own inputs)."""
+    if torch.compiler.is_compiling() or kernel_for(x.shape[1], x.device.type, compiled) != "flex":
         return
-    for t in inputs:
+    for t in (x, *others):
         torch._dynamo.mark_static(t, 0)
 
 

@@ -175,8 +175,8 @@ class CausalLM(nn.Module):
         return self._layer_call("packed", packed_layer_forward, layer, *args)
 
     def cached_layer(self, layer: nn.Module, *args) -> torch.Tensor:
-        if self.runs_compiled("cached"):  # every input's dim 0 is the batch (flex only)
-            static_batch(*(a for a in args if isinstance(a, torch.Tensor)))
+        if self.runs_compiled("cached"):  # every input's dim 0 is the batch; args[0] is x [B, S, H]
+            static_batch(*(a for a in args if isinstance(a, torch.Tensor)), compiled=True)
         return self._layer_call("cached", cached_layer_forward, layer, *args)
 
     def _layer_call(self, forward: str, plain, layer: nn.Module, *args) -> torch.Tensor:

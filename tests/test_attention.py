@@ -1,6 +1,7 @@
 """The cached attention's FlexAttention kernel (`use_cached_kernel("flex")`, #36) computes what
 SDPA computes: for a chain's masks (per-row lengths, one and several new tokens) through a whole
-model's incremental decode, and for an arbitrary mask (a token tree's) on the kernel alone."""
+model's incremental decode, and for an arbitrary mask (a token tree's) on the kernel alone. "mixed"
+(the CUDA default) decodes with SDPA and verifies with flex, in the same compiled layers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from inference_ref import attention
-from inference_ref.attention import cached_attention, flex_cached_attention, use_cached_kernel
+from inference_ref.attention import cached_attention, flex_cached_attention, kernel_for, use_cached_kernel
 from inference_ref.generate import generate
 from inference_ref.models.llama import random_llama
 from tiny import rel_err, tiny_llama
@@ -18,11 +19,31 @@ from tiny import rel_err, tiny_llama
 def flex():
     use_cached_kernel("flex")
     yield
-    use_cached_kernel("sdpa")
+    use_cached_kernel("auto")
 
 
+@pytest.mark.parametrize(
+    "kernel, new, device, compiled, runs",
+    [
+        ("auto", 1, "cuda", True, "sdpa"),  # decoding
+        ("auto", 2, "cuda", True, "flex"),  # verifying
+        ("auto", 8, "cuda", True, "flex"),
+        ("auto", 9, "cuda", True, "sdpa"),  # a prefill, a large tree: not measured against SDPA
+        ("auto", 4, "cuda", False, "sdpa"),  # eager layers: flex measured only with a dynamic batch
+        ("auto", 4, "cpu", True, "sdpa"),
+        ("mixed", 4, "cpu", False, "flex"),
+        ("mixed", 1, "cpu", True, "sdpa"),
+        ("flex", 1, "cuda", False, "flex"),
+        ("sdpa", 4, "cuda", True, "sdpa"),
+    ],
+)
+def test_kernel_choice(kernel, new, device, compiled, runs):
+    assert kernel_for(new, device, compiled, kernel) == runs
+
+
+@pytest.mark.parametrize("kernel", ["flex", "mixed"])
 @pytest.mark.parametrize("static", [False, True])
-def test_incremental_decode_with_flex_equals_sdpa(flex, static):
+def test_incremental_decode_with_flex_equals_sdpa(flex, kernel, static):
     """Prefill, then steps of 1 and 3 tokens at per-row offsets (row 1's later entries scratch, to be
     rewritten), each step's states against the same steps through SDPA; `static`: the steps attend
     over the whole cache, masked, as a captured CUDA graph's do."""
@@ -40,6 +61,7 @@ def test_incremental_decode_with_flex_equals_sdpa(flex, static):
             cache.lengths += step
         return outs
 
+    use_cached_kernel(kernel)  # mixed: the 16-token prefill and 1-token steps SDPA's, 3-token steps flex's
     with_flex = decode()
     use_cached_kernel("sdpa")
     for ours, sdpa in zip(with_flex, decode(), strict=True):
@@ -61,7 +83,7 @@ def test_flex_kernel_takes_any_mask():
 
 
 def test_an_unknown_kernel_is_refused():
-    with pytest.raises(ValueError, match="'flash'.*sdpa, flex"):
+    with pytest.raises(ValueError, match="'flash'.*auto, sdpa, flex, mixed"):
         use_cached_kernel("flash")
 
 
@@ -95,6 +117,43 @@ def test_compiled_decoding_specializes_the_batch_for_flex_only(kernel):
             generate(model, [[1, 2, 3, 4]] * batch, 3, eos_ids=[])
             new_graphs.append(counters["stats"]["unique_graphs"] - before)
     finally:
-        use_cached_kernel("sdpa")
+        use_cached_kernel("auto")
     assert new_graphs[0] > 0 and new_graphs[3] == 0  # compiled once per batch size at most
     assert (new_graphs[2] > 0) == (kernel == "flex")  # batch 4: a graph of its own only for flex
+
+
+def test_mixed_specializes_the_batch_of_verify_steps_only():
+    """ "mixed" in compiled layers: a one-token step (SDPA) at a new batch size reuses the dynamic
+    graph; a three-token step (flex) at a new batch size compiles one of its own; each step's states
+    are eager SDPA's."""
+    from torch._dynamo.utils import counters
+
+    model = random_llama(tiny_llama(num_attention_heads=6, num_key_value_heads=2), seed=4)
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+
+    def step_states(batch: int) -> list[torch.Tensor]:
+        cache = model.new_cache(batch, 16)
+        cache.lengths = torch.full((batch,), 12)
+        return [model.forward_cached(tokens[:batch, 12 : 12 + n], cache) for n in (1, 3)]
+
+    batches = (2, 3, 4)  # the first graphs specialize on batch 2; by batch 4 a dynamic batch is proven
+    want = {batch: step_states(batch) for batch in batches}
+    torch._dynamo.reset()
+    use_cached_kernel("mixed")
+    try:
+        model.compile_layers()
+        new_graphs = {}
+        for batch in batches:
+            before = counters["stats"]["unique_graphs"]
+            cache = model.new_cache(batch, 16)
+            cache.lengths = torch.full((batch,), 12)
+            for n, expected in zip((1, 3), want[batch]):
+                ours = model.forward_cached(tokens[:batch, 12 : 12 + n], cache)
+                assert rel_err(ours, expected) <= 1e-5
+                new_graphs[batch, n] = counters["stats"]["unique_graphs"] - before
+                before = counters["stats"]["unique_graphs"]
+    finally:
+        use_cached_kernel("auto")
+    assert new_graphs[2, 1] > 0 and new_graphs[2, 3] > 0  # the first of each compiles
+    assert new_graphs[4, 1] == 0  # decoding: the batch is dynamic
+    assert new_graphs[4, 3] > 0  # verifying: a graph per batch size, for flex's decoding kernel
