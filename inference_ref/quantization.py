@@ -124,17 +124,39 @@ class Fp8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+def quantizable(layer: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
+    """The linear maps of a decoder layer that `quantize` turns into FP8 ones, by name (not the
+    MoE routers: they decide, they are tiny and fp32)."""
+    for name, module in list(layer.named_modules()):
+        if isinstance(module, nn.Linear) and not name.endswith("router"):
+            yield name, module
+
+
+def quantize_layer(layer: nn.Module, static_inputs: bool = False) -> None:
+    """Replace the layer's `quantizable` maps by `Fp8Linear`s, in place, on the layer's device."""
+    for name, module in quantizable(layer):
+        parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+        setattr(parent, name.rsplit(".", 1)[-1], Fp8Linear.of(module, static_inputs))
+
+
 def quantize(model: nn.Module, static_inputs: bool = False) -> nn.Module:
     """Replace every linear map of the model's decoder layers by an `Fp8Linear`, in place (the
-    embeddings, lm_head and routers are not `nn.Linear`s of a layer, or are kept: routers decide,
-    they are tiny and fp32). `static_inputs`: one calibrated scale per map's input instead of one
-    per token (see the module's notes). Returns the model."""
+    embeddings and lm_head are not `nn.Linear`s of a layer; routers are kept). `static_inputs`: one
+    calibrated scale per map's input instead of one per token (see the module's notes). Returns the
+    model."""
     for layer in model.layers:
-        for name, module in list(layer.named_modules()):
-            if isinstance(module, nn.Linear) and not name.endswith("router"):
-                parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
-                setattr(parent, name.rsplit(".", 1)[-1], Fp8Linear.of(module, static_inputs))
+        quantize_layer(layer, static_inputs)
     return model
+
+
+def quantize_onto(model: nn.Module, device, static_inputs: bool = False) -> nn.Module:
+    """`quantize` a model built on the CPU while moving it onto `device`, one decoder layer at a
+    time: the device holds the FP8 layers so far and one layer in the model's dtype, never the whole
+    model in it, so a target that fits a GPU only in FP8 loads there. Returns the model."""
+    for layer in model.layers:
+        layer.to(device)
+        quantize_layer(layer, static_inputs)
+    return model.to(device)  # the embeddings, final norm and lm_head; no dtype: FP8 stays FP8
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from inference_ref.loading import EMBED, LM_HEAD, is_scale, read_tensors, safete
 from inference_ref.models import TARGET_KINDS, Cache, kind_of
 from inference_ref.models import Config as TargetConfig
 from inference_ref.models.llama import load_llama
-from inference_ref.quantization import quantize
+from inference_ref.quantization import quantize_onto
 
 TargetModel = CausalLM
 """What the pipeline uses of a target: the skeleton every kind shares."""
@@ -52,7 +52,8 @@ def load_target(
     headroom: float = 0.1,
 ) -> TargetModel:
     """Load a target from a Hugging Face directory (any kind) or a Llama `.gguf` file.
-    `quantization="fp8"` turns its layers' linear maps into FP8 ones (`quantization.quantize`);
+    `quantization="fp8"` turns its layers' linear maps into FP8 ones, layer by layer as they reach
+    the device (`quantization.quantize_onto`: the device never holds the whole target unquantized);
     `"fp8_static"` with static input scales, which the caller calibrates before the first forward
     (`quantization.calibration`).
     `compile` fuses its layers (`CausalLM.compile_layers`) where that is measured: on CUDA, for a
@@ -64,7 +65,10 @@ def load_target(
 
     path = Path(path)
     tp = 1 if tp_mesh is None else tp_mesh.size()
-    if quantization.startswith("fp8") and tp > 1:
+    if quantization not in ("none", "fp8", "fp8_static"):
+        raise ValueError(f"model.quantization: {quantization!r} is not one of none, fp8, fp8_static")
+    fp8 = quantization != "none"
+    if fp8 and tp > 1:
         raise ValueError(
             f"model.quantization={quantization} with model.tp_size={tp} is not supported yet: use one of them"
         )
@@ -73,7 +77,7 @@ def load_target(
             raise ValueError(
                 f"{path}: a .gguf target loads whole; convert it to a directory for model.tp_size={tp}"
             )
-        model = load_llama(path, device, dtype)
+        model = load_llama(path, "cpu" if fp8 else device, dtype)
     else:
         cfg = read_target_config(path)
         check_checkpoint(path, cfg)  # headers only: before anything large is read
@@ -82,12 +86,10 @@ def load_target(
         tensor_parallel.check_fits(cfg, tp, torch.device(device), dtype, quantization, headroom)
         if tp > 1:
             model = tensor_parallel.load_parallel(path, cfg, tp_mesh, device, dtype)
-        else:
-            model = TARGET_KINDS[cfg.model_type].load(path, device, dtype)
-    if quantization in ("fp8", "fp8_static"):  # fp8_static: the caller calibrates (`calibration`)
-        quantize(model, static_inputs=quantization == "fp8_static")
-    elif quantization != "none":
-        raise ValueError(f"model.quantization: {quantization!r} is not one of none, fp8, fp8_static")
+        else:  # FP8: built on the CPU, quantized layer by layer on its way to the device
+            model = TARGET_KINDS[cfg.model_type].load(path, "cpu" if fp8 else device, dtype)
+    if fp8:  # fp8_static: the caller calibrates (`calibration`)
+        model = quantize_onto(model, device, static_inputs=quantization == "fp8_static")
     if compile and torch.device(device).type == "cuda" and model.compilable:
         model.compile_layers()
     return model

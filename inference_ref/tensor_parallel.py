@@ -185,17 +185,28 @@ def random_parallel(cfg, mesh: DeviceMesh, device, dtype, seed: int = 0) -> Caus
 # --- will it fit ------------------------------------------------------------------------------
 
 
-def weight_bytes_per_rank(cfg, tp: int, bytes_per_weight: float) -> int:
+def weight_bytes_per_rank(cfg, tp: int, bytes_per_weight: float, fp8: bool = False) -> int:
     """The bytes of weights each of `tp` ranks holds: layers' linear maps and an untied vocabulary
-    table split, norms and a tied table whole."""
+    table split, norms and a tied table whole. `fp8`: the layers' linear maps at one byte (plus a
+    scale per output channel), the rest at `bytes_per_weight`, and on top what loading adds for the
+    layer being quantized (`quantization.quantize_onto`): that layer at `bytes_per_weight` and two
+    fp32 temporaries of its largest map (`quantize_rows`)."""
+    from inference_ref.quantization import quantizable
+
     with torch.device("meta"):
         model = TARGET_KINDS[cfg.model_type].model(cfg)
-    total = 0
     split = set(plan(model)) if tp > 1 else set()
+    fp8_maps = {id(m) for layer in model.layers for _, m in quantizable(layer)} if fp8 else set()
+    total = 0.0
     for module_name, module in model.named_modules():
         for p in module.parameters(recurse=False):
-            total += p.numel() / (tp if module_name in split else 1)
-    return int(total * bytes_per_weight)
+            share = p.numel() / (tp if module_name in split else 1)
+            total += share * (1 + 4 / p.shape[-1] if id(module) in fp8_maps else bytes_per_weight)
+    if fp8:
+        layer = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
+        largest = max(m.weight.numel() for layer in model.layers for _, m in quantizable(layer))
+        total += layer * bytes_per_weight + 2 * 4 * largest
+    return int(total)
 
 
 def check_fits(
@@ -206,23 +217,26 @@ def check_fits(
     if device.type != "cuda":
         return
     free, total = torch.cuda.mem_get_info(device)
-    fp8 = quantization.startswith("fp8")
-    per_weight = 1 if fp8 else torch.empty((), dtype=dtype).element_size()
-    error = fit_error(cfg, tp, per_weight, free, total, headroom, fp8)
+    per_weight = torch.empty((), dtype=dtype).element_size()
+    error = fit_error(cfg, tp, per_weight, free, total, headroom, quantization.startswith("fp8"))
     if error:
         raise ValueError(f"{device}: {error}")
 
 
 def fit_error(cfg, tp: int, per_weight: int, free: int, total: int, headroom: float, fp8: bool) -> str | None:
-    """Why weights of `per_weight` bytes do not fit `free` of `total` bytes keeping `headroom`
-    (None where they do), with the smallest tp_size (or FP8) that would."""
+    """Why the weights (`per_weight` bytes each; `fp8`: see `weight_bytes_per_rank`) do not fit
+    `free` of `total` bytes keeping `headroom` (None where they do), with the smallest tp_size (or,
+    in one process, FP8) that would."""
     budget = free - headroom * total
-    need = weight_bytes_per_rank(cfg, tp, per_weight)
+    need = weight_bytes_per_rank(cfg, tp, per_weight, fp8)
     if need <= budget:
         return None
+    # FP8 runs in one process only (`load_target`): more ranks are offered without it
     fits = [t for t in (2, 4, 8, 16) if t > tp and weight_bytes_per_rank(cfg, t, per_weight) <= budget]
     hint = f"model.tp_size={fits[0]} (launch that many processes)" if fits else "more GPUs per group"
-    if not fp8 and weight_bytes_per_rank(cfg, tp, 1) <= budget:
+    if fp8:
+        hint = f"model.quantization=none with {hint}"
+    elif tp == 1 and weight_bytes_per_rank(cfg, 1, per_weight, fp8=True) <= budget:
         hint += " or model.quantization=fp8"
     return (
         f"the target's weights need {need / GiB:.1f} GiB per GPU at model.tp_size={tp}, but "

@@ -166,3 +166,38 @@ def test_compiled_loss_chunks_match_eager_in_bf16():
     torch.testing.assert_close(loss, eager_loss, rtol=1e-4, atol=0)
     assert abs(top1.item() - eager_top1.item()) <= 2  # argmax ties may break otherwise
     torch.testing.assert_close(grad, eager_grad, rtol=2e-2, atol=1e-4)
+
+
+def test_an_fp8_target_loads_without_holding_its_bf16_weights(tmp_path):
+    """`load_target(quantization="fp8")` quantizes layer by layer on the way to the GPU
+    (`quantization.quantize_onto`): the peak is what `weight_bytes_per_rank(..., fp8=True)` counts
+    for `check_fits`, well under the bf16 weights the whole model would take."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from inference_ref.target import load_target
+    from inference_ref.tensor_parallel import weight_bytes_per_rank
+    from mtp_train.target_files import random_hf_weights
+
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+    )
+    save_file(
+        {k: v.contiguous() for k, v in random_hf_weights(cfg, 0).items()}, str(tmp_path / "model.safetensors")
+    )
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model = load_target(tmp_path, "cuda", torch.bfloat16, quantization="fp8")
+    peak = torch.cuda.max_memory_allocated() - base
+    counted, bf16 = weight_bytes_per_rank(cfg, 1, 2, fp8=True), weight_bytes_per_rank(cfg, 1, 2)
+    assert peak <= 1.02 * counted and counted < 0.7 * bf16
+    assert model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn

@@ -94,7 +94,29 @@ def test_a_target_that_does_not_fit_is_refused_with_the_override_that_would():
     assert fit_error(LLAMA_70B, 2, 2, free=int(79 * GiB), total=h100, headroom=0.1, fp8=False) is None
     error = fit_error(LLAMA_70B, 2, 2, free=int(79 * GiB), total=h100, headroom=0.3, fp8=False)
     assert "65.7 GiB per GPU at model.tp_size=2" in error and "use model.tp_size=4" in error
-    assert "model.quantization=fp8" in error  # 32.9 GiB in FP8 would fit at TP 2
+    assert "model.quantization=fp8" not in error  # FP8 runs in one process only
+
+
+def test_fp8_weight_bytes_count_what_loading_holds_at_the_70b_shape():
+    """FP8: the layers' maps at a byte and a scale per row, the vocabulary tables and norms in bf16,
+    and while loading one more layer in bf16 with two fp32 temporaries of its fused gate|up map
+    (`quantization.quantize_onto`), counted here from the shape by hand."""
+    h, i, kv, layers, vocab = 8192, 28672, 1024, 80, 128256
+    maps = h * h + 2 * kv * h + h * h + 2 * i * h + h * i  # q, k, v, o, gate|up, down
+    rows = h + 2 * kv + h + 2 * i + h  # their output channels, one fp32 scale each
+    norms = 2 * h
+    want = layers * (maps + 4 * rows + 2 * norms) + 2 * (2 * vocab * h + h)  # held
+    want += 2 * (maps + norms) + 2 * 4 * (2 * i * h)  # loading: a bf16 layer, fp32 temporaries
+    assert weight_bytes_per_rank(LLAMA_70B, 1, 2, fp8=True) == pytest.approx(want, rel=1e-6)
+
+
+def test_fp8_is_offered_in_one_process_and_left_for_more_ranks_when_it_does_not_fit():
+    h200 = 140 * GiB
+    error = fit_error(LLAMA_70B, 1, 2, free=int(139 * GiB), total=h200, headroom=0.1, fp8=False)
+    assert "use model.tp_size=2 (launch that many processes) or model.quantization=fp8" in error
+    error = fit_error(LLAMA_70B, 1, 2, free=int(79 * GiB), total=80 * GiB, headroom=0.2, fp8=True)
+    assert "72.8 GiB per GPU at model.tp_size=1" in error
+    assert "use model.quantization=none with model.tp_size=4" in error  # 32.9 GiB in bf16 at TP 4
 
 
 def test_tp_size_without_a_launch_says_how_to_launch(tiny_target):
