@@ -9,6 +9,7 @@ with a head's measured acceptance into projected speed-ups (`mtp_train.projectio
     python -m benchmarks.bench_verify_cost --shape llama3_8b --compiled-layers      # compiled layers
     python -m benchmarks.bench_verify_cost --shape llama3_8b --cached-kernel mixed --compiled-layers
                                         # SDPA decodes, flex verifies: the default of compiled layers
+    python -m benchmarks.bench_verify_cost --shape llama3_8b --compiled-layers --autotune --batches 1 8
 
 A shape too large for one GPU is measured with fewer layers, twice (`--layers A B`), and the full
 depth extrapolated linearly: cost(L) = cost(A) + (L − A) · (cost(B) − cost(A)) / (B − A); the
@@ -22,7 +23,7 @@ import sys
 
 import torch
 
-from benchmarks.common import DEVICE, DTYPE, shape, strict_compile, write_result
+from benchmarks.common import DEVICE, DTYPE, inductor_autotune, shape, strict_compile, write_result
 from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
 from inference_ref.models import TARGET_KINDS
 
@@ -114,8 +115,18 @@ def main() -> None:
         help="the target's layers through torch.compile (CausalLM.compile_layers), as regeneration and "
         "decoding can run them; written to verify_cost_<shape>[_<kernel>]_compiled.json",
     )
+    p.add_argument(
+        "--autotune",
+        action="store_true",
+        help="with --compiled-layers: Inductor's GEMM and coordinate-descent autotuning "
+        "(benchmarks.common.inductor_autotune); written to verify_cost_<shape>[_<kernel>]_compiled_autotuned.json",
+    )
     args = p.parse_args()
+    if args.autotune and not args.compiled_layers:
+        p.error("--autotune tunes the compiled layers: add --compiled-layers")
     strict_compile()
+    if args.autotune:
+        inductor_autotune()
     use_cached_kernel(args.cached_kernel)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
@@ -141,8 +152,10 @@ def main() -> None:
         }
     else:
         verify = measured[depths[0]]
-    suffix = ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}") + (
-        "_compiled" if args.compiled_layers else ""
+    suffix = (
+        ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}")
+        + ("_compiled" if args.compiled_layers else "")
+        + ("_autotuned" if args.autotune else "")
     )
     write_result(
         f"verify_cost_{args.shape}{suffix}",
@@ -151,6 +164,7 @@ def main() -> None:
             "shape": args.shape,
             "cached_kernel": args.cached_kernel,
             "compiled_layers": args.compiled_layers,
+            "autotune": args.autotune,
             "compiled_layers_ran": ran_compiled,
             "context_tokens": CONTEXT,
             "measured_layers": depths,

@@ -220,6 +220,17 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def inductor_autotune() -> None:
+    """Inductor's GEMM autotuning (its Triton templates timed against cuBLAS for each static shape,
+    e.g. a batch-1 decode's M = 1) and coordinate-descent tuning of the kernels it generates, as
+    gpt-fast compiles decoding. Compiles take minutes instead of seconds; the question it answers is
+    whether a decode step at batch 1 gets closer to the weight-read limit (#36: 75 %)."""
+    import torch._inductor.config as inductor
+
+    inductor.max_autotune_gemm = True
+    inductor.coordinate_descent_tuning = True
+
+
 def strict_compile(limit: int = 64) -> None:
     """Let one function compile for up to `limit` shapes (a benchmark's grid of batches and token
     counts), and make passing that an error: past Dynamo's limit a compiled function runs eagerly
