@@ -186,7 +186,8 @@ CACHED_KERNELS = ("auto", "sdpa", "flex", "mixed")
 _cached_kernel = "auto"
 FLEX_MAX_NEW = 8
 """The most new tokens per row "mixed" gives FlexAttention: the range measured against SDPA at
-every batch (2–8 tokens at batches 1–64, 2026-12-04). Longer queries (prefills, large trees) keep SDPA."""
+every batch (2–8 tokens at batches 1–64, 2026-12-04). Such steps are verifies, and the rare prompt
+or chat-template tail that short; longer queries (prefills, large trees) keep SDPA."""
 
 
 def use_cached_kernel(name: str) -> None:

@@ -104,8 +104,14 @@ class KVCache:
         return KVCache(self.k, self.v, self.lengths + n)
 
     def rows(self, index: torch.Tensor) -> KVCache:
-        """A new cache holding only rows `index` (copied): a batch whose finished rows leave it."""
-        return KVCache(self.k[:, index], self.v[:, index], self.lengths[index])
+        """A cache of rows `index` only: a batch whose finished rows leave it. The rows move to the
+        front of this cache's storage, one layer at a time, and the new cache views them: no second
+        copy of the cache is made (this one is not to be used after)."""
+        n = len(index)
+        for storage in (self.k, self.v):
+            for layer in storage:  # the gathered copy is one layer's rows: written back at once
+                layer[:n] = layer[index]
+        return KVCache(self.k[:, :n], self.v[:, :n], self.lengths[index])
 
     def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, new] the next `new` tokens take, and their mask (`attention.cache_slots`)."""
@@ -166,6 +172,7 @@ class CausalLM(nn.Module):
         cannot compile here says so on its first call and runs eager."""
         self.compiled_layers = True
         self.compile_proven, self.compile_failed = frozenset(), frozenset()
+        allow_compiled_variants(32)
 
     def runs_compiled(self, forward: str) -> bool:
         """Whether `forward` ("packed" or "cached") goes through its compiled function."""
@@ -288,6 +295,17 @@ def cached_layer_forward(layer: nn.Module, *args) -> torch.Tensor:
     the unit `CausalLM.compile_layers` compiles for decoding. Compiled, the cache writes become
     in-place scatters, so a captured decode step still writes the caller's cache."""
     return layer.forward_cached(*args)
+
+
+def allow_compiled_variants(limit: int) -> None:
+    """Let a compiled function hold up to `limit` graphs (Dynamo's default: 8, past which it runs
+    eagerly without a word). The cached forward's verify steps compile one graph per batch size
+    under FlexAttention (`attention.static_batch`); decoding's batch sizes, token counts and a
+    validation's last, smaller batch add up past 8 in one process. Never lowers a larger limit."""
+    import torch._dynamo.config as dynamo
+
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    setattr(dynamo, name, max(getattr(dynamo, name), limit))
 
 
 @functools.cache

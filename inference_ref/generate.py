@@ -154,6 +154,8 @@ def generate(
     those steps are spent on finished rows. Not with `states`, whose cache must keep every row; and
     a row's numbers may differ in the last bits at another batch size, so the speculative loop's
     reference is the call without it."""
+    if states and compact:
+        raise ValueError("generate: compact drops rows from the cache that states keeps")
     eos = set(eos_ids)
     loops = [Loop(stop_repeat) for _ in prompts] if stop_repeat else None
     capture, room = (states.capture, states.room) if states else ((), 0)
@@ -164,8 +166,6 @@ def generate(
     rows = list(range(len(prompts)))  # the prompt each cache row answers
     decode = DecodeStep(model, cache, capture=capture)  # a CUDA graph on GPU, the eager step elsewhere
     if states:
-        if compact:
-            raise ValueError("generate: compact drops rows from the cache that states keeps")
         states.start(model, cache, hidden)
     while True:
         for b, t in zip(rows, token.tolist()):
@@ -178,6 +178,7 @@ def generate(
             return outputs
         if compact and len(live) <= len(rows) // 2:
             index = torch.tensor(live, device=token.device)
+            del decode  # its captured graph and buffers, before the next one is captured
             cache, token, rows = cache.rows(index), token[index], [rows[j] for j in live]
             decode = DecodeStep(model, cache, capture=capture)
         # Every row steps (one batched forward); only active rows commit, so a finished row keeps

@@ -14,8 +14,8 @@ then fuses into the op that produces the input in one pass, with no amax to read
 the calibrated range saturate at ±448 × scale; a map that was never calibrated refuses to run.
 
 Only the decoder layers' linear maps are quantized (attention and dense-MLP projections): the
-embeddings, the final norm, the lm_head and the MoE routers stay in the model's dtype, as serving
-stacks keep them. Checkpoints stored in FP8 with 128×128 block scales (DeepSeek-V3's
+embeddings, the final norm, the lm_head, the MoE routers and MLA's kv_b_proj (`KEPT`) stay in the
+model's dtype, as serving stacks keep them. Checkpoints stored in FP8 with 128×128 block scales (DeepSeek-V3's
 `weight_scale_inv`) are read through `dequantize_blocks`.
 """
 
@@ -124,11 +124,16 @@ class Fp8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+KEPT = ("router", "kv_b_proj")
+"""Linear maps of a layer that stay in the model's dtype: MoE routers (they decide, they are tiny and
+fp32) and MLA's kv_b_proj, whose weight the cached forward reads as a matrix to absorb into the
+query and output (`deepseek_v2.mla`), as vLLM keeps it dequantized for that."""
+
+
 def quantizable(layer: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
-    """The linear maps of a decoder layer that `quantize` turns into FP8 ones, by name (not the
-    MoE routers: they decide, they are tiny and fp32)."""
+    """The linear maps of a decoder layer that `quantize` turns into FP8 ones, by name (not `KEPT`)."""
     for name, module in list(layer.named_modules()):
-        if isinstance(module, nn.Linear) and not name.endswith("router"):
+        if isinstance(module, nn.Linear) and not name.endswith(KEPT):
             yield name, module
 
 

@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 
 from inference_ref.causal_lm import CausalLM
+from inference_ref.gguf import load_gguf
 from inference_ref.loading import EMBED, LM_HEAD, is_scale, read_tensors, safetensors_files
 from inference_ref.models import TARGET_KINDS, Cache, kind_of
 from inference_ref.models import Config as TargetConfig
-from inference_ref.models.llama import load_llama
 from inference_ref.quantization import quantize_onto
 
 TargetModel = CausalLM
@@ -77,7 +77,7 @@ def load_target(
             raise ValueError(
                 f"{path}: a .gguf target loads whole; convert it to a directory for model.tp_size={tp}"
             )
-        model = load_llama(path, "cpu" if fp8 else device, dtype)
+        model = load_gguf(path, "cpu" if fp8 else device, dtype)
     else:
         cfg = read_target_config(path)
         check_checkpoint(path, cfg)  # headers only: before anything large is read

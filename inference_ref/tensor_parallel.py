@@ -189,23 +189,25 @@ def weight_bytes_per_rank(cfg, tp: int, bytes_per_weight: float, fp8: bool = Fal
     """The bytes of weights each of `tp` ranks holds: layers' linear maps and an untied vocabulary
     table split, norms and a tied table whole. `fp8`: the layers' linear maps at one byte (plus a
     scale per output channel), the rest at `bytes_per_weight`, and on top what loading adds for the
-    layer being quantized (`quantization.quantize_onto`): that layer at `bytes_per_weight` and two
-    fp32 temporaries of its largest map (`quantize_rows`)."""
+    layer being quantized (`quantization.quantize_onto`): its maps at `bytes_per_weight` and two
+    fp32 temporaries of the largest (`quantize_rows`)."""
     from inference_ref.quantization import quantizable
 
     with torch.device("meta"):
         model = TARGET_KINDS[cfg.model_type].model(cfg)
     split = set(plan(model)) if tp > 1 else set()
     fp8_maps = {id(m) for layer in model.layers for _, m in quantizable(layer)} if fp8 else set()
-    total = 0.0
+    total, seen = 0.0, set()
     for module_name, module in model.named_modules():
         for p in module.parameters(recurse=False):
+            if id(p) in seen:  # a tied vocabulary table, once
+                continue
+            seen.add(id(p))
             share = p.numel() / (tp if module_name in split else 1)
             total += share * (1 + 4 / p.shape[-1] if id(module) in fp8_maps else bytes_per_weight)
     if fp8:
-        layer = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
-        largest = max(m.weight.numel() for layer in model.layers for _, m in quantizable(layer))
-        total += layer * bytes_per_weight + 2 * 4 * largest
+        maps = [[m.weight.numel() for _, m in quantizable(layer)] for layer in model.layers]
+        total += max(map(sum, maps)) * bytes_per_weight + 2 * 4 * max(map(max, maps))
     return int(total)
 
 

@@ -148,3 +148,22 @@ def test_static_input_scales_compile_after_calibration():
     assert model.compiled_layers
     compiled, _ = model.forward_packed(ids, cu_seqlens_of([64]))
     assert model.compile_proven == {"packed"} and torch.allclose(compiled, eager, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_an_fp8_deepseek_target_decodes_through_its_latent_cache(kind):
+    """MLA's cached forward reads kv_b_proj's weight as a matrix (weight absorption), so FP8 keeps
+    it in the model's dtype (`quantization.KEPT`): a quantized DeepSeek target decodes, greedy,
+    the first token the unquantized one does (a random tiny target)."""
+    from inference_ref.generate import generate
+    from inference_ref.models import TARGET_KINDS
+
+    cfg = TARGET_KINDS[kind].config(**{"vocab_size": 256, **TARGET_KINDS[kind].tiny})
+    model = TARGET_KINDS[kind].random(cfg, seed=0)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    want = generate(model, prompts, 4, eos_ids=[])
+    quantize(model)
+    assert not isinstance(model.layers[0].self_attn.kv_b_proj, Fp8Linear)
+    assert isinstance(model.layers[0].self_attn.o_proj, Fp8Linear)
+    got = generate(model, prompts, 4, eos_ids=[])
+    assert [g[:1] for g in got] == [w[:1] for w in want]

@@ -12,7 +12,6 @@ import transformers
 from inference_ref import causal_lm
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.generate import generate, right_pad
-from inference_ref.gguf import load_gguf
 from inference_ref.models.llama import (
     LlamaModel,
     RopeScaling,
@@ -144,7 +143,10 @@ def test_incremental_decode_equals_full_forward():
 
 
 def test_gguf_loader_equals_converted_directory(smollm2, smol):
-    from_gguf = load_gguf(smollm2_gguf())
+    """`load_target` on the .gguf file (through `gguf.load_gguf`) builds the converted directory's model."""
+    from inference_ref.target import load_target
+
+    from_gguf = load_target(smollm2_gguf())
     assert from_gguf.cfg == smol.cfg
     ours, theirs = from_gguf.state_dict(), smol.state_dict()
     assert ours.keys() == theirs.keys()

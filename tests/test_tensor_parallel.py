@@ -99,14 +99,14 @@ def test_a_target_that_does_not_fit_is_refused_with_the_override_that_would():
 
 def test_fp8_weight_bytes_count_what_loading_holds_at_the_70b_shape():
     """FP8: the layers' maps at a byte and a scale per row, the vocabulary tables and norms in bf16,
-    and while loading one more layer in bf16 with two fp32 temporaries of its fused gate|up map
+    and while loading one layer's maps more in bf16, with two fp32 temporaries of its fused gate|up map
     (`quantization.quantize_onto`), counted here from the shape by hand."""
     h, i, kv, layers, vocab = 8192, 28672, 1024, 80, 128256
     maps = h * h + 2 * kv * h + h * h + 2 * i * h + h * i  # q, k, v, o, gate|up, down
     rows = h + 2 * kv + h + 2 * i + h  # their output channels, one fp32 scale each
     norms = 2 * h
     want = layers * (maps + 4 * rows + 2 * norms) + 2 * (2 * vocab * h + h)  # held
-    want += 2 * (maps + norms) + 2 * 4 * (2 * i * h)  # loading: a bf16 layer, fp32 temporaries
+    want += 2 * maps + 2 * 4 * (2 * i * h)  # loading: a layer's maps in bf16, fp32 temporaries
     assert weight_bytes_per_rank(LLAMA_70B, 1, 2, fp8=True) == pytest.approx(want, rel=1e-6)
 
 
@@ -129,3 +129,19 @@ def test_tp_size_without_a_launch_says_how_to_launch(tiny_target):
     cfg.model.name, cfg.model.target, cfg.model.tp_size = "tiny", str(tiny_target), 2
     with pytest.raises(ValueError, match="needs a multiple of 2 processes.*--num_processes 2"):
         resolve_run(cfg.model, sharded_as="mtp_train.validate")
+
+
+def test_a_tied_vocabulary_table_is_counted_once():
+    untied = weight_bytes_per_rank(tiny_llama(tie_word_embeddings=False), 1, 2)
+    tied = weight_bytes_per_rank(tiny_llama(tie_word_embeddings=True), 1, 2)
+    cfg = tiny_llama()
+    assert untied - tied == 2 * cfg.vocab_size * cfg.hidden_size
+
+
+def test_fp8_weighs_less_than_bf16_with_experts_kept_in_bf16():
+    """Qwen3-30B-A3B's shape: its experts are stacked tensors that stay bf16, so FP8 saves only
+    the attention maps; loading adds a layer's maps, not its experts."""
+    from benchmarks.common import shape
+
+    cfg = shape("qwen3_30b_a3b")
+    assert weight_bytes_per_rank(cfg, 1, 2, fp8=True) < weight_bytes_per_rank(cfg, 1, 2)

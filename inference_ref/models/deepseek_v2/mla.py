@@ -151,8 +151,11 @@ class LatentCache:
         return LatentCache(self.kv, self.lengths + n)
 
     def rows(self, index: torch.Tensor) -> LatentCache:
-        """A new cache holding only rows `index` (see `causal_lm.KVCache.rows`)."""
-        return LatentCache(self.kv[:, index], self.lengths[index])
+        """A cache of rows `index` only, moved to the front in place (see `causal_lm.KVCache.rows`)."""
+        n = len(index)
+        for layer in self.kv:
+            layer[:n] = layer[index]
+        return LatentCache(self.kv[:, :n], self.lengths[index])
 
     def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, new] the next `new` tokens take, and their mask (`attention.cache_slots`)."""
