@@ -317,9 +317,9 @@ def cached_attention(
 def static_batch(x: torch.Tensor, *others: torch.Tensor, compiled: bool = False) -> None:
     """Where the flex kernel serves queries x [B, S, ...] (`kernel_for`; `compiled`: inside the
     compiled layers about to be called), mark the batch (dim 0) of a compiled call's inputs (x and
-    `others`) static: one graph per batch size, as engines capture
-    one CUDA graph per batch size. FlexAttention takes its decoding kernel (the keys split over
-    thread blocks, for short queries) only where the graph knows the batch and head counts
+    `others`) static: one graph per batch size, as engines capture one CUDA graph per batch size.
+    FlexAttention takes its decoding kernel (the keys split over thread blocks, for short queries)
+    only where the graph knows the batch and head counts
     (torch/_inductor/kernel/flex/flex_decoding.py, `_use_flex_decoding`); with a dynamic batch it
     falls back to the main kernel. That is what a batch of 8 met on the H200 (2026-12-04): a 2-token
     verify at 1.38× a decode step with the batch dynamic, 1.01× with it static. Nothing is marked

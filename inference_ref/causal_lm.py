@@ -107,11 +107,7 @@ class KVCache:
         """A cache of rows `index` only: a batch whose finished rows leave it. The rows move to the
         front of this cache's storage, one layer at a time, and the new cache views them: no second
         copy of the cache is made (this one is not to be used after)."""
-        n = len(index)
-        for storage in (self.k, self.v):
-            for layer in storage:  # the gathered copy is one layer's rows: written back at once
-                layer[:n] = layer[index]
-        return KVCache(self.k[:, :n], self.v[:, :n], self.lengths[index])
+        return KVCache(front_rows(self.k, index), front_rows(self.v, index), self.lengths[index])
 
     def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, new] the next `new` tokens take, and their mask (`attention.cache_slots`)."""
@@ -121,6 +117,15 @@ class KVCache:
         """Row b's entries at slots src[b] copied to dst[b] ([B, n]), every layer (`move_slots`)."""
         move_slots(self.k, src, dst)
         move_slots(self.v, src, dst)
+
+
+def front_rows(storage: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """storage [layers, B, ...]: rows `index` moved to the front in place, one layer at a time (the
+    gathered copy is one layer's rows, written back at once); returns the view of those rows."""
+    n = len(index)
+    for layer in storage:
+        layer[:n] = layer[index]
+    return storage[:, :n]
 
 
 def move_slots(storage: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

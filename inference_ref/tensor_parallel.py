@@ -196,7 +196,9 @@ def weight_bytes_per_rank(cfg, tp: int, bytes_per_weight: float, fp8: bool = Fal
     with torch.device("meta"):
         model = TARGET_KINDS[cfg.model_type].model(cfg)
     split = set(plan(model)) if tp > 1 else set()
-    fp8_maps = {id(m) for layer in model.layers for _, m in quantizable(layer)} if fp8 else set()
+    # per layer, the sizes of the maps FP8 quantizes, by module
+    maps = [{id(m): m.weight.numel() for _, m in quantizable(layer)} for layer in model.layers] if fp8 else []
+    fp8_maps = {i for layer in maps for i in layer}
     total, seen = 0.0, set()
     for module_name, module in model.named_modules():
         for p in module.parameters(recurse=False):
@@ -206,8 +208,8 @@ def weight_bytes_per_rank(cfg, tp: int, bytes_per_weight: float, fp8: bool = Fal
             share = p.numel() / (tp if module_name in split else 1)
             total += share * (1 + 4 / p.shape[-1] if id(module) in fp8_maps else bytes_per_weight)
     if fp8:
-        maps = [[m.weight.numel() for _, m in quantizable(layer)] for layer in model.layers]
-        total += max(map(sum, maps)) * bytes_per_weight + 2 * 4 * max(map(max, maps))
+        sizes = [list(layer.values()) for layer in maps]
+        total += max(map(sum, sizes)) * bytes_per_weight + 2 * 4 * max(map(max, sizes))
     return int(total)
 
 

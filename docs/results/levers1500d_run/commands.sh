@@ -24,5 +24,5 @@ setsid nohup bash -c 'while [ ! -f /root/push/prompts/selection.jsonl ]; do slee
   env $common R=/root/push_sr GREEDY=false BATCH=1024 STOP_NEW=1024 STOP_N=32 \
     HEADS="N31sr 1500 model.variant=eagle3.1 $on data.train_files=[/root/push_sr/stop_repeat.jsonl]" \
     bash experiments/push_machine.sh' > /root/push_sr.log 2>&1 < /dev/null &
-# polled with poll.sh (each head validated as soon as it is trained: MT-bench, vicuna-bench and the
+# polled with docs/results/levers1500c_run/poll.sh (each head validated as soon as it is trained: MT-bench, vicuna-bench and the
 # long-input set, greedy and T = 1, k = 1 … 5, bf16).

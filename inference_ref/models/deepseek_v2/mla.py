@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_ref.attention import cache_slots, packed_causal_attention
-from inference_ref.causal_lm import Fp32Frequencies, RMSNorm, move_slots
+from inference_ref.causal_lm import Fp32Frequencies, RMSNorm, front_rows, move_slots
 from inference_ref.models.deepseek_v2.config import (
     LATENT_NORM_EPS,
     DeepseekV2Config,
@@ -152,10 +152,7 @@ class LatentCache:
 
     def rows(self, index: torch.Tensor) -> LatentCache:
         """A cache of rows `index` only, moved to the front in place (see `causal_lm.KVCache.rows`)."""
-        n = len(index)
-        for layer in self.kv:
-            layer[:n] = layer[index]
-        return LatentCache(self.kv[:, :n], self.lengths[index])
+        return LatentCache(front_rows(self.kv, index), self.lengths[index])
 
     def slots(self, new: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, new] the next `new` tokens take, and their mask (`attention.cache_slots`)."""
