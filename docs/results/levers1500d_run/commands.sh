@@ -1,5 +1,5 @@
-# What to run on one H200 (issue #40 item 3; started 2026-12-04 and cut off with its session, see
-# README.md): the two levers levers1500c_run left without a row, at eagle3.1's 1,500-step budget, against N31b's recipe (compare1500b_run, MT-bench τ 2.88):
+# What ran on one H200 (issue #40 item 3; 2026-12-05, machine 1 of README.md; a first attempt on
+# 2026-12-04 was cut off with its session): the two levers levers1500c_run left without a row, at eagle3.1's 1,500-step budget, against N31b's recipe (compare1500b_run, MT-bench τ 2.88):
 #   N31u5  eagle3.1, unroll 5 (N31b: 3), S″;
 #   N31sr  eagle3.1, unroll 3, trained on answers not cut at 256 tokens: greedy up to 1,024 new
 #          tokens, each stopped where it repeats an earlier 32-token run of itself (STOP_NEW=1024
