@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Issue #36's GPU measurements in one background run on one H200 (about 10 minutes, compiles
-# included; a guess: the grids compile one graph per batch size and token count). Each benchmark
-# writes its JSON under benchmarks/results/; the log says which finished.
-#   setsid nohup bash benchmarks/speed_run.sh /root/speed > /root/speed.log 2>&1 < /dev/null &
-# then, from a polling call: cp benchmarks/results/*.json /root/speed.log "$OUT"/
+# included; a guess: the grids compile one graph per batch size and token count). Run it from a copy
+# of the repository outside the synced working tree (each call re-syncs that tree, and the tracked
+# JSONs under benchmarks/results/ would overwrite what a finished benchmark wrote there):
+#   mkdir -p /root/repo && tar cf - --exclude=.devcache . | tar xf - -C /root/repo
+#   cd /root/repo && setsid nohup bash benchmarks/speed_run.sh /root/speed > /root/speed.log 2>&1 < /dev/null &
+# then poll from back-to-back calls (the machine goes back 30 s after a call ends, with the run):
+#   bash /root/repo/benchmarks/speed_poll.sh 540
+# Each finished benchmark's JSON is copied into $log/results/ at once, so that whatever finished
+# comes back in the next poll.
 #   1-3  whole verify steps at the 8B shape, compiled layers: the default (mixed: SDPA decodes,
 #        flex verifies), flex and SDPA alone, one after another on the same machine;
 #   4    the 70B shape, 8 and 16 layers extrapolated, batches 1 and 8 (#36's bar is batches 1-8);
@@ -14,11 +19,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${1:-/root/speed}
-mkdir -p "$log"
+mkdir -p "$log/results"
+touch "$log/started"
 run() {
     local name=$1; shift
     echo "== $(date +%T) $name: $*"
     if "$@" > "$log/$name.log" 2>&1; then echo "   $(date +%T) done"; else echo "   $(date +%T) FAILED (see $log/$name.log)"; fi
+    find benchmarks/results -name '*.json' -newer "$log/started" -exec cp {} "$log/results/" \;
 }
 v="python -m benchmarks.bench_verify_cost"
 run mixed $v --shape llama3_8b --cached-kernel mixed --compiled-layers
