@@ -23,7 +23,16 @@ import sys
 
 import torch
 
-from benchmarks.common import DEVICE, DTYPE, inductor_autotune, shape, strict_compile, write_result
+from benchmarks.common import (
+    DEVICE,
+    DTYPE,
+    decode_read_bytes,
+    inductor_autotune,
+    peak_bandwidth,
+    shape,
+    strict_compile,
+    write_result,
+)
 from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
 from inference_ref.models import TARGET_KINDS
 
@@ -93,6 +102,21 @@ def draft_costs(cfg, batches) -> dict[str, float]:
             layer.logits(layer.forward_cached(ids, cache, static=True))
 
         out[str(b)] = graphed(step)
+    return out
+
+
+def decode_read_limits(cfg, verify: dict, device_name: str) -> dict | None:
+    """Per batch, the bytes a decode step must read (`common.decode_read_bytes`), the ms that takes
+    at the device's peak bandwidth, and the measured decode step's share of that peak (#36: 75 % at
+    batch 1). None where the kind or the device has no such count."""
+    bandwidth = peak_bandwidth(device_name)
+    if bandwidth is None or decode_read_bytes(cfg, 1, CONTEXT) is None:
+        return None
+    out = {}
+    for bs, row in verify.items():
+        read = decode_read_bytes(cfg, int(bs), CONTEXT)
+        limit_ms = read / bandwidth * 1e3
+        out[bs] = {"bytes": read, "limit_ms": limit_ms, "share_of_peak": limit_ms / row["1"]}
     return out
 
 
@@ -173,6 +197,8 @@ def main() -> None:
             "verify_ms": verify,
             "verify_ms_measured": {str(d): m for d, m in measured.items()} if len(depths) == 2 else None,
             "draft_step_ms": draft_costs(cfg, args.batches),
+            "peak_bandwidth_bytes_per_s": peak_bandwidth(torch.cuda.get_device_name()),
+            "decode_read": decode_read_limits(cfg, verify, torch.cuda.get_device_name()),
         },
     )
 

@@ -205,6 +205,34 @@ def linear_flops_per_token(cfg: LlamaConfig) -> float:
     return 2.0 * per_layer * cfg.num_hidden_layers
 
 
+# Peak HBM bandwidth in bytes/s by a substring of torch.cuda.get_device_name(), from the vendor's
+# data sheets (SXM parts): what a memory-bound decode step is held against.
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.039e12, "B200": 8.0e12}
+
+
+def peak_bandwidth(device_name: str) -> float | None:
+    """The data sheet's bytes/s for a device name, or None for a device not in PEAK_BANDWIDTH."""
+    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in device_name), None)
+
+
+def decode_read_bytes(cfg, batch: int, context: int, bytes_per_value: int = 2) -> int | None:
+    """The bytes one decode step of a dense target must read: every weight once, except an untied
+    embedding table (a step gathers one row per token; a tied table is read whole as the lm_head),
+    plus each row's K and V of `context` tokens in every layer. None for kinds whose step reads
+    only some of its weights (MoE) or caches a latent instead of K and V (MLA)."""
+    from inference_ref.tensor_parallel import weight_bytes_per_rank
+
+    if cfg.model_type not in ("llama", "qwen3"):
+        return None
+    weights = weight_bytes_per_rank(cfg, 1, bytes_per_value)
+    if not cfg.tie_word_embeddings:
+        weights -= cfg.vocab_size * cfg.hidden_size * bytes_per_value
+    kv = (
+        batch * cfg.num_hidden_layers * 2 * context * cfg.num_key_value_heads * cfg.head_dim * bytes_per_value
+    )
+    return weights + kv
+
+
 def sync() -> None:
     """Wait for the GPU's queued work (nothing to wait for on a CPU-only machine)."""
     if torch.cuda.is_available():

@@ -145,3 +145,26 @@ def test_fp8_weighs_less_than_bf16_with_experts_kept_in_bf16():
 
     cfg = shape("qwen3_30b_a3b")
     assert weight_bytes_per_rank(cfg, 1, 2, fp8=True) < weight_bytes_per_rank(cfg, 1, 2)
+
+
+def test_a_decode_step_reads_every_weight_but_the_embedding_rows_plus_its_kv_cache():
+    """#36's bar is a share of the bandwidth a decode step needs: at the 8B shape, batch 1, a
+    1,024-token cache, 15.14 GB (the 16.06 GB of weights, less the 1.05 GB embedding table a step
+    only gathers from, plus 134 MB of K and V), counted by hand from the shape."""
+    from benchmarks.bench_verify_cost import decode_read_limits
+    from benchmarks.common import decode_read_bytes, shape
+
+    cfg = shape("llama3_8b")
+    h, kv, inter, layers, vocab = 4096, 8 * 128, 14336, 32, 128256
+    layer = h * (h + 2 * kv) + h * h + 3 * h * inter + 2 * h
+    weights = 2 * (layers * layer + vocab * h + h)  # one vocabulary table (the lm_head), the final norm
+    cache = layers * 2 * 1024 * kv * 2
+    assert decode_read_bytes(cfg, 1, 1024) == weights + cache == 15_144_067_072
+    assert decode_read_bytes(cfg, 8, 1024) == weights + 8 * cache
+    tied = shape("llama3_8b", tie_word_embeddings=True)
+    assert decode_read_bytes(tied, 1, 1024) == decode_read_bytes(cfg, 1, 1024)  # the table, read once
+    assert decode_read_bytes(shape("qwen3_30b_a3b"), 1, 1024) is None  # MoE reads its routed experts only
+    limits = decode_read_limits(cfg, {"1": {"1": 4.93, "2": 5.0}}, "NVIDIA H200")
+    assert limits["1"]["limit_ms"] == pytest.approx(15_144_067_072 / 4.8e12 * 1e3)
+    assert limits["1"]["share_of_peak"] == pytest.approx(0.640, abs=1e-3)
+    assert decode_read_limits(cfg, {"1": {"1": 4.93}}, "NVIDIA GeForce RTX 4090") is None
