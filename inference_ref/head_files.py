@@ -66,15 +66,25 @@ def read_native_config(path: str | Path) -> dict:
     return native_config(read_config(path), path)
 
 
+def weights_file(path: str | Path) -> Path:
+    """The weights file of a head directory: a native head's, or an engine export's."""
+    path = Path(path)
+    config = read_config(path)
+    return path / (ENGINE_WEIGHTS if native_config(config, path) is not config else WEIGHTS)
+
+
 def read_head_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(native config, tensors under native names) of a head directory."""
     path = Path(path)
     config = read_config(path)
     native = native_config(config, path)
-    weights = path / (ENGINE_WEIGHTS if native is not config else WEIGHTS)
+    weights = weights_file(path)
     if not weights.exists():
         raise FileNotFoundError(f"{path}: no {weights.name} beside its {CONFIG}")
-    tensors = load_file(str(weights))
+    try:
+        tensors = load_file(str(weights))
+    except Exception as e:  # safetensors' own errors name no file
+        raise ValueError(f"{weights}: not a readable safetensors file ({e})") from e
     if native is config:
         return native, tensors
     if HEAD_KINDS[native["variant"]].blocks:

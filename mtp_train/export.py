@@ -35,6 +35,7 @@ from inference_ref.head_files import (
     NATIVE_CONFIG,
     read_head_files,
     read_native_config,
+    weights_file,
 )
 from inference_ref.head_spec import (
     CONFIG,
@@ -174,6 +175,7 @@ def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
     tmp.mkdir()
     try:
         write(tmp)
+        _as_umask_allows(tmp)
         _sync(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -191,6 +193,15 @@ def _check_replaceable(out_dir: Path) -> None:
     ours = {WEIGHTS, ENGINE_WEIGHTS, CONFIG}
     if out_dir.exists() and not (out_dir.is_dir() and {p.name for p in out_dir.iterdir()} <= ours):
         raise FileExistsError(f"{out_dir} exists and is not an exported head; refusing to replace it")
+
+
+def _as_umask_allows(directory: Path) -> None:
+    """Give the files the mode a plain open() would (safetensors writes its file 0600): a serving
+    engine often runs as another user than the one who exported the head."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in directory.iterdir():
+        f.chmod(0o666 & ~umask)
 
 
 def _sync(directory: Path) -> None:
@@ -234,8 +245,9 @@ def load_head(head_dir: str | Path, target: Target | str | Path) -> DraftHead:
     _, tensors = read_head_files(head_dir)
     for name in SHARED_BUFFERS:  # stored copies of the target's own tensors: the target's are used
         tensors.pop(name, None)
-    check_layout(tensors, native_table(spec, False), f"{head_dir / WEIGHTS}")
-    check_finite_tensors(tensors, f"{head_dir / WEIGHTS}")
+    where = f"{weights_file(head_dir)} (read under native names)"
+    check_layout(tensors, native_table(spec, False), where)
+    check_finite_tensors(tensors, where)
     ids = draft_ids(tensors["d2t"]) if "d2t" in tensors else None
     head = build(spec, frozen_target_tensors(target.dir), ids)
     head.load_state_dict(tensors, strict=True)

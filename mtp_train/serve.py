@@ -35,6 +35,7 @@ from mtp_train.serving.vllm_engine import (
     INSTALL,
     VLLMMissing,
     check_head_fits_target,
+    check_k_fits_block,
     head_method,
     serve_command,
     speculative_config,
@@ -47,6 +48,7 @@ def serve_plan(cfg) -> dict:
     target = Target.resolve(cfg.model.target)
     head_method(sc.head)  # a head vLLM cannot serve: named before anything starts
     check_head_fits_target(sc.head, target.dir)
+    check_k_fits_block(sc.head, sc.k)
     tp = sc.tensor_parallel_size or cfg.model.tp_size
     kwargs = {
         "model": str(target.dir),

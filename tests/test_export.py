@@ -233,6 +233,19 @@ def test_replaces_a_head_and_clears_stale_temporaries(tiny_target, identity, tmp
     assert json.loads((out / "config.json").read_text())["training"] == {"step": 2}
 
 
+def test_exported_files_are_as_readable_as_the_umask_allows(tiny_target, identity, tmp_path):
+    """safetensors writes 0600; a serving engine running as another user must read the head."""
+    old = os.umask(0o022)
+    try:
+        out = ex.save_head(trained_head(tiny_target, "eagle1"), tmp_path / "head", identity, {})
+    finally:
+        os.umask(old)
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {
+        "head.safetensors": 0o644,
+        "config.json": 0o644,
+    }
+
+
 def test_refuses_to_replace_a_foreign_directory(tiny_target, identity, tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
     with pytest.raises(FileExistsError):
@@ -456,6 +469,23 @@ def test_an_engine_export_without_the_native_config_is_refused_in_one_line(tiny_
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="DFlashDraftModel.*carries no native config.*native export"):
         ex.load_head(out, tiny_target)
+
+
+def test_a_bad_weights_file_is_named_as_the_file_read(tiny_target, identity, tmp_path):
+    """An engine export's checks name its model.safetensors, not a native head.safetensors that
+    is not there; a corrupt file is named too (safetensors' own error names none)."""
+    native = ex.save_head(trained_head(tiny_target, "eagle1"), tmp_path / "native", identity, {})
+    out = ex.export_layouts(native, tiny_target, ["vllm"], tmp_path / "export")["vllm"]
+    config = json.loads((out / "config.json").read_text())
+    config["mtp_train_head"]["variant"] = "rmsnorm-restored"  # tensors of another kind
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=rf"^{out / 'model.safetensors'} \(read under native names\): missing"
+    ):
+        ex.load_head(out, tiny_target)
+    (native / "head.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match=rf"^{native / 'head.safetensors'}: not a readable safetensors file"):
+        ex.load_head(native, tiny_target)
 
 
 def test_records_without_a_vocab_hash_are_compared_by_the_tokenizer_file(identity):

@@ -241,10 +241,13 @@ def test_validation_through_vllm_reports_the_engine_gap(served, capsys, monkeypa
     """`validate.engine=vllm`: both turns of two MT-bench prompts (turn 2 with the target's own
     answer as context), greedy and T=1, through our loop and vLLM; greedy counts equal, the answers
     identical to vLLM's target alone, and the sampled τ within sampling noise of ours. In a child
-    of its own, as outside the tests (not the session's kept one)."""
+    of its own, as outside the tests (not the session's kept one). validate.dtype is auto (the
+    recipes' default), which the export and the engine must see resolved (fp32 here: no AMX assumed)."""
+    from mtp_train import target_files
     from mtp_train.validate import run_validation, summary
 
     monkeypatch.setattr(vllm_engine, "_kept", None)
+    monkeypatch.setattr(target_files, "cpu_has_fast_bf16", lambda: False)
     base = served["base"]
     cfg = pipeline_config(
         base,
@@ -258,7 +261,7 @@ def test_validation_through_vllm_reports_the_engine_gap(served, capsys, monkeypa
         "validate.temperatures=[0.0,1.0]",
         "validate.batch_size=2",
         "validate.teacher_forced_samples=2",
-        "validate.dtype=float32",
+        "validate.dtype=auto",
         "validate.engine=vllm",
         f"validate.report={base / 'validate' / 'report.json'}",
     )
@@ -314,6 +317,35 @@ def test_the_serve_entry_point_prints_checked_commands(quick_export, smollm2, ti
     assert '"num_speculative_tokens": 4' in out and '"method": "eagle3"' in out
     with pytest.raises(CannotServe, match="another target"):
         serve(config(tiny_target, f"serve.head={quick_export}"))
+
+
+def test_counters_of_several_engines_add_position_by_position():
+    """With data parallelism vLLM reports one series per engine: the counts add, and the
+    per-position vector keeps the chain's length (it is compared with our loop's as it is)."""
+    from types import SimpleNamespace as Metric
+
+    class LLM:
+        def get_metrics(self):
+            return [
+                Metric(name="vllm:spec_decode_num_drafts", value=7),
+                Metric(name="vllm:spec_decode_num_drafts", value=8),
+                Metric(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[5, 3, 1]),
+                Metric(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[6, 2, 1]),
+                Metric(name="vllm:prompt_tokens", value=100),
+            ]
+
+    counts = vllm_engine.read_counters(LLM())
+    assert counts["num_drafts"] == 15 and counts["accepted_per_pos"] == [11, 5, 2]
+    assert vllm_engine.add_per_position([1], [1, 2, 3]) == [2, 2, 3]
+
+
+def test_a_dflash_head_is_not_served_past_its_trained_block():
+    """The published dflash head was trained on blocks of 5 (the last token and 4 masks)."""
+    head = REPO / "heads" / "smollm2_135m" / "dflash"
+    vllm_engine.check_k_fits_block(head, 4)
+    with pytest.raises(CannotServe, match=r"blocks of 5 .* serve.k=5 drafts past them; use serve.k ≤ 4"):
+        vllm_engine.check_k_fits_block(head, 5)
+    vllm_engine.check_k_fits_block(REPO / "heads" / "smollm2_135m" / "eagle3", 8)  # chains have no block
 
 
 def test_engine_arguments_and_the_serve_command(quick_export, smollm2):

@@ -122,6 +122,20 @@ def head_method(head_dir: str | Path) -> str:
     raise CannotServe(f"{head_dir}: architecture {arch!r} is no head layout vLLM serves")
 
 
+def check_k_fits_block(head_dir: str | Path, k: int) -> None:
+    """A DFlash head drafts a block of the last token and k masks (vLLM and our loop alike): past
+    the block it was trained on (`block_size`), the masks sit at positions it never learned."""
+    from inference_ref.head_spec import read_json
+
+    config = read_json(Path(head_dir) / "config.json")
+    block = config.get("block_size")
+    if "dflash_config" in config and block and k > block - 1:
+        raise CannotServe(
+            f"head {head_dir} was trained on blocks of {block} (the last token and {block - 1} masks): "
+            f"serve.k={k} drafts past them; use serve.k ≤ {block - 1}"
+        )
+
+
 def check_head_fits_target(head_dir: str | Path, target_dir: str | Path) -> None:
     """Refuse a head made for another target: sizes and auxiliary layers against the target's
     config, and where the export records it (the plugin's `mtp_train` block, or the head's
@@ -411,10 +425,15 @@ def read_counters(llm) -> dict:
         if metric.name in COUNTERS:
             counts[COUNTERS[metric.name]] += int(metric.value)
         elif metric.name == PER_POSITION:
-            values = [int(v) for v in metric.values]
-            per_pos = [a + b for a, b in zip(per_pos + [0] * len(values), values + [0] * len(per_pos))]
+            per_pos = add_per_position(per_pos, [int(v) for v in metric.values])
     counts["accepted_per_pos"] = per_pos
     return counts
+
+
+def add_per_position(a: list[int], b: list[int]) -> list[int]:
+    """Two engines' per-position counts added position by position (the shorter padded with 0)."""
+    width = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (width - len(a)), b + [0] * (width - len(b)))]
 
 
 def _delta(before: dict, after: dict) -> dict:

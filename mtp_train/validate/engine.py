@@ -59,8 +59,9 @@ def vllm_validation(vc, run: Run, ev: Evaluator, prompts, target_tokens, specula
     (`speculative`: the report's section of our loop)."""
     ids = turn_prompts(ev, prompts, vc.batch_size, target_tokens)
     temperatures = engine_temperatures(vc)
+    dtype = str(run.dtype).removeprefix("torch.")  # validate.dtype resolved ("auto": the device's)
     with tempfile.TemporaryDirectory(prefix="validate_vllm_") as tmp:
-        head = export_layouts(vc.head, run.target, ["vllm"], Path(tmp), dtype=vc.dtype)["vllm"]
+        head = export_layouts(vc.head, run.target, ["vllm"], Path(tmp), dtype=dtype)["vllm"]
         # sampled, vLLM drafts as our loop does (from the draft's distribution, judged by p/q), so
         # that the two differ by random numbers only; its default drafts the argmax (see the docs)
         runs = [EngineRun("target")] if vc.engine_target_alone else []
@@ -70,7 +71,7 @@ def vllm_validation(vc, run: Run, ev: Evaluator, prompts, target_tokens, specula
             for t in temperatures
         ]
         longest = max(map(len, ids)) + vc.max_new_tokens + max(vc.chain_lengths) + 1
-        engine = Engine(dtype=vc.dtype, max_model_len=longest, max_num_seqs=vc.batch_size)
+        engine = Engine(dtype=dtype, max_model_len=longest, max_num_seqs=vc.batch_size)
         result = run_vllm(run.target.dir, ids, vc.max_new_tokens, ev.eos, runs, engine)
     alone = result["target"]["tokens"] if vc.engine_target_alone else None
     report = {"name": "vllm", "version": result["vllm_version"], "answers": len(ids), "speculative": {}}
