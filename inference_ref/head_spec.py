@@ -431,9 +431,19 @@ def read_json(path: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a {type(config).__name__}, not a JSON object")
+    return config
+
+
+def require_keys(config: dict, keys: tuple[str, ...], where: str) -> None:
+    """One line naming the fields a config lacks (instead of a KeyError where one is first read)."""
+    missing = [k for k in keys if k not in config]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
 
 
 def architecture(model_type: str) -> str:

@@ -45,6 +45,7 @@ from inference_ref.head_spec import (
     HeadSpec,
     check_head_fits_target,
     draft_ids,
+    require_keys,
 )
 from inference_ref.target import TargetConfig, frozen_target_tensors
 from mtp_train.cli import one_line_errors
@@ -137,6 +138,10 @@ def head_config(
     }
 
 
+NATIVE_FIELDS = ("variant", "architecture", "layer_config", "hidden_size", "vocab_size", "target", "training")
+"""What reading a native head needs of its config (head_config writes them)."""
+
+
 def save_head(
     head: DraftHead,
     out_dir: str | Path,
@@ -224,6 +229,7 @@ def read_head_config(head_dir: str | Path) -> dict:
             f"{path}: format {config.get('format')!r} v{config.get('format_version')!r}, "
             f"expected {FORMAT!r} v{FORMAT_VERSION}"
         )
+    require_keys(config, NATIVE_FIELDS, f"{path} (the head's native config)")
     return config
 
 

@@ -488,6 +488,25 @@ def test_a_bad_weights_file_is_named_as_the_file_read(tiny_target, identity, tmp
         ex.load_head(native, tiny_target)
 
 
+def test_a_head_config_lacking_fields_or_not_an_object_is_refused_in_one_line(
+    tiny_target, identity, tmp_path
+):
+    from mtp_train.serving.vllm_engine import head_method
+
+    native = ex.save_head(trained_head(tiny_target, "eagle1"), tmp_path / "native", identity, {})
+    out = ex.export_layouts(native, tiny_target, ["vllm"], tmp_path / "export")["vllm"]
+    config = json.loads((out / "config.json").read_text())
+    del config["mtp_train_head"]["target"], config["mtp_train"]["variant"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json \(the head's native config\): missing target$"):
+        ex.load_head(out, tiny_target)
+    with pytest.raises(ValueError, match=r"config.json: mtp_train: missing variant$"):
+        head_method(out)
+    (out / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json: a list, not a JSON object$"):
+        ex.load_head(out, tiny_target)
+
+
 def test_records_without_a_vocab_hash_are_compared_by_the_tokenizer_file(identity):
     from mtp_train.target_files import check_same_target
 

@@ -85,7 +85,7 @@ class Engine:
 
 def head_method(head_dir: str | Path) -> str:
     """vLLM's speculative method for an exported head directory, or a named refusal."""
-    from inference_ref.head_spec import read_json
+    from inference_ref.head_spec import read_json, require_keys
     from mtp_train.serving.vllm_plugin import ARCHITECTURES, FORMAT, FORMAT_VERSION, METHODS
 
     path = Path(head_dir) / "config.json"
@@ -106,6 +106,7 @@ def head_method(head_dir: str | Path) -> str:
                 f"this plugin serves {FORMAT!r} v{FORMAT_VERSION}: re-export the head with "
                 "export.formats=[vllm] from this version of mtp-train"
             )
+        require_keys(block, ("variant", "target_layers"), f"{path}: mtp_train")
         return METHODS[block["variant"]]
     if arch in ("LlamaForCausalLMEagle3", "Eagle3Speculator"):
         return "eagle3"
