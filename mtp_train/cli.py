@@ -61,13 +61,21 @@ def one_line_errors(main):
     return wrapped
 
 
+def causes(e: BaseException | None):
+    """`e` and the exceptions it was raised from (`raise … from`), outermost first."""
+    while e is not None:
+        yield e
+        e = e.__cause__
+
+
 def user_error(e: BaseException) -> str | None:
     """The one line for a user's mistake, or None for a bug (it keeps its traceback)."""
     if isinstance(e, USER_ERRORS):
         return str(e)
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+    full = next((c for c in causes(e) if isinstance(c, OSError) and c.errno == errno.ENOSPC), None)
+    if full is not None:  # also where a writer thread's failure is raised again, wrapped (precompute)
         return (
-            f"no space left on the device writing {e.filename or 'a file'}: free space or choose "
+            f"no space left on the device writing {full.filename or 'a file'}: free space or choose "
             "another directory; what was written completely before (checkpoints, store shards) is kept"
         )
     from omegaconf.errors import MissingMandatoryValue

@@ -26,17 +26,20 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def lock_path(directory: Path, rank: int) -> Path:
-    return directory / (".lock" if rank == 0 else f".lock.rank{rank}")
+def lock_path(directory: Path, rank: int, lock_name: str = ".lock") -> Path:
+    return directory / (lock_name if rank == 0 else f"{lock_name}.rank{rank}")
 
 
 @contextmanager
-def exclusive(directory: str | Path, setting: str, rank: int | None = None) -> Iterator[None]:
+def exclusive(
+    directory: str | Path, setting: str, rank: int | None = None, lock_name: str = ".lock"
+) -> Iterator[None]:
     """Hold `directory` (created if absent) for this process while the block runs. `setting`:
-    the config field that names it, for the message."""
+    the config field that names it, for the message. `lock_name`: the lock file's name, where one
+    file in the directory is held rather than the whole directory (a regeneration's output)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = lock_path(directory, launched_rank() if rank is None else rank)
+    path = lock_path(directory, launched_rank() if rank is None else rank, lock_name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

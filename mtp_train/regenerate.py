@@ -24,6 +24,7 @@ answer_help_first(__name__, __file__)  # before torch & co.: they take seconds t
 import json
 import os
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -75,7 +76,19 @@ def written_ids(path: Path) -> set[str]:
     if len(complete) < len(data):
         with path.open("r+b") as f:
             f.truncate(len(complete))
-    return {json.loads(line)["id"] for line in complete.decode("utf-8").splitlines() if line.strip()}
+    return {record["id"] for _, record in jsonl_records(path, complete.decode("utf-8"))}
+
+
+def jsonl_records(path: Path, text: str) -> Iterator[tuple[str, dict]]:
+    """(line, record) of each line of an output or part file. Split on "\n" only, as the writer
+    ends its records: str.splitlines would also split at U+2028 or NEL inside an answer, which
+    json.dumps(ensure_ascii=False) leaves raw."""
+    for number, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                yield line + "\n", json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{number}: not a JSON record ({e})") from None
 
 
 def part_files(out: Path) -> list[Path]:
@@ -97,8 +110,8 @@ def merge_parts(out: Path, order: list[Prompt]) -> None:
         return
     have, lines = written_ids(out), {}
     for part in parts:
-        for line in part.read_text(encoding="utf-8").splitlines(keepends=True):
-            key = json.loads(line)["id"]
+        for line, record in jsonl_records(part, part.read_text(encoding="utf-8")):
+            key = record["id"]
             if key not in have:
                 lines.setdefault(key, line)
     place = {p.id: i for i, p in enumerate(order)}
@@ -202,13 +215,16 @@ def regenerate(
     group's ranks answer in step (the same prompts, the same tokens) and its first rank writes.
     `capture`: the training store written from the generation's states as it goes
     (`regenerate.capture`; one process)."""
+    # one run per output (a second one would answer every prompt again into the same file), and
     # the captured store has one writer (one process: `check_capture`)
-    with exclusive(capture.dir, "precompute.store_dir") if capture else nullcontext():
-        return _regenerate(rcfg, target_dir, device, dtype, quantization, ranks, capture)
+    refuse_static_fp8(quantization, "regeneration")  # before the lock makes the output's folder
+    out = Path(rcfg.output)
+    with exclusive(out.parent, "regenerate.output", lock_name=f".{out.name}.lock"):
+        with exclusive(capture.dir, "precompute.store_dir") if capture else nullcontext():
+            return _regenerate(rcfg, target_dir, device, dtype, quantization, ranks, capture)
 
 
 def _regenerate(rcfg, target_dir, device, dtype, quantization, ranks, capture) -> dict:
-    refuse_static_fp8(quantization, "regeneration")
     ranks = ranks or one_process(device)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     out, counts = Path(rcfg.output), Counts()

@@ -398,15 +398,33 @@ def merge_manifests(store_dir: str | Path, header: dict) -> dict:
 # Reading
 
 
+def read_verified(path: Path) -> dict:
+    """verify()'s record of the shards it hashed; an unreadable one (a crash or a hand edit) is only
+    a cache: every shard is hashed again and the record rewritten."""
+    try:
+        cache = json.loads(path.read_text()) if path.exists() else {}
+    except (ValueError, OSError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
 def read_shard(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors file as zero-copy views of a private memory map."""
+    """All tensors of a safetensors file as zero-copy views of a private memory map. A file cut
+    short or with a damaged header (a disk that filled, a copy that stopped) is refused in one line
+    naming it, before any view is made."""
     size = path.stat().st_size
     storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
     raw = torch.empty(0, dtype=torch.uint8).set_(storage)
-    (head_len,) = struct.unpack("<Q", raw[:8].numpy().tobytes())
-    header = json.loads(raw[8 : 8 + head_len].numpy().tobytes())
-    header.pop("__metadata__", None)
-    base = 8 + head_len
+    try:
+        (head_len,) = struct.unpack("<Q", raw[:8].numpy().tobytes())
+        header = json.loads(raw[8 : 8 + head_len].numpy().tobytes())
+        header.pop("__metadata__", None)
+        base = 8 + head_len
+        ends = [base + info["data_offsets"][1] for info in header.values()]
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{path}: damaged safetensors header ({type(e).__name__}: {e}); {REPAIR}") from None
+    if max(ends, default=base) > size:
+        raise ValueError(f"{path}: {size:,} bytes, its header needs {max(ends):,}: cut short; {REPAIR}")
     out = {}
     for name, info in header.items():
         begin, end = info["data_offsets"]
@@ -485,7 +503,7 @@ class Store:
         if problem:
             raise ValueError(f"store {self.path}: {problem}: the manifest is damaged; {REPAIR}")
         cache_path = self.path / "verified.json"
-        cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+        cache = read_verified(cache_path)
         stale = [s for s in shards if full or cache.get(s["file"]) != self._stamp(s)]
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             found = list(pool.map(self._shard_sha, stale))

@@ -4,6 +4,7 @@ store stops training until it is repaired and precomputed again."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from mtp_train import export as ex
 from mtp_train.config import ConfigError, checked
 from mtp_train.precompute import run_precompute
-from mtp_train.store import Store, repair
+from mtp_train.store import Store, read_shard, repair
 from mtp_train.train import NonFiniteLoss, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,6 +121,26 @@ def test_a_damaged_store_stops_training_until_repaired(tiny_target, tmp_path):
     store.verify()
     assert store.manifest["num_samples"] == sum(s["samples"] for s in shards)
     assert train(cfg).exists()
+
+
+def test_a_shard_cut_short_is_refused_in_one_line_before_training_reads_it(tiny_target, tmp_path):
+    """Training opens the shards before it verifies them: a file cut short (a disk that filled, a
+    copy that stopped) must still be named, with the repair, not fail reshaping a view."""
+    cfg = config(
+        tiny(tiny_target, tmp_path, "train.steps=2", "train.save_every=0", "precompute.shard_tokens=1024")
+    )
+    store_dir = run_precompute(cfg)
+    (store_dir / "verified.json").write_text('{"shard-')  # verify's cache, unreadable: hashed again
+    Store(store_dir).verify()
+    assert json.loads((store_dir / "verified.json").read_text())
+    victim = store_dir / Store(store_dir).manifest["shards"][0]["file"]
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-4096])
+    with pytest.raises(ValueError, match=rf"^{victim}: {len(data) - 4096:,} bytes, .* cut short; repair"):
+        train(cfg)
+    victim.write_bytes(b"\xff" * 16)  # a header length past the file
+    with pytest.raises(ValueError, match=rf"^{victim}: damaged safetensors header .*; repair"):
+        read_shard(victim)
 
 
 def test_resume_falls_back_past_damaged_checkpoints_and_refuses_another_plan(tiny_target, tmp_path, capsys):
@@ -407,6 +428,14 @@ def test_more_user_errors_are_one_line(tiny_target, tmp_path, capsys):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt-0000010" / "x"))
 
     assert f"no space left on the device writing {tmp_path}/ckpt-0000010/x" in one_line(full_disk)
+
+    def full_disk_in_the_store_writer():  # precompute's writer thread: its failure raised again, wrapped
+        try:
+            full_disk()
+        except OSError as e:
+            raise RuntimeError("writing the store failed") from e
+
+    assert "no space left on the device writing" in one_line(full_disk_in_the_store_writer)
 
     head = tmp_path / "head"
     head.mkdir()

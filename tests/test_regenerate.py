@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,34 @@ def test_killed_run_resumes_without_duplicates_or_losses(tiny_target, prompts_fi
     ids = [r["id"] for r in records]
     assert len(ids) == len(set(ids)) == 5 and "torn" not in ids
     assert regenerate(cfg, tiny_target)["written"] == 0
+
+
+def test_answers_holding_line_separators_resume(tiny_target, tmp_path):
+    """U+2028 and NEL stay raw in the output (ensure_ascii=False); resuming must not split there."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt": "first\u2028second\x85third"}) + "\n", encoding="utf-8")
+    cfg = config(str(path), tmp_path)
+    assert regenerate(cfg, tiny_target)["written"] == 1
+    assert "\u2028" in Path(cfg.output).read_text(encoding="utf-8")
+    assert regenerate(cfg, tiny_target)["written"] == 0
+    with open(cfg.output, "a", encoding="utf-8") as f:
+        f.write("{not json}\n")
+    with pytest.raises(ValueError, match=rf"^{cfg.output}:2: not a JSON record"):
+        regenerate(cfg, tiny_target)
+
+
+def test_a_second_run_on_the_same_output_is_refused(tiny_target, prompts_file, tmp_path):
+    from mtp_train.locks import Busy, exclusive
+
+    cfg = config(prompts_file, tmp_path)
+    out = Path(cfg.output)
+    with exclusive(out.parent, "regenerate.output", lock_name=f".{out.name}.lock"):  # as a run would
+        with pytest.raises(Busy, match=f"pid {os.getpid()} .*regenerate.output"):
+            regenerate(cfg, tiny_target)
+        assert not out.exists()
+        # the lock is the file's: another output in the same folder goes ahead
+        other = replace(cfg, output=str(out.parent / "other.jsonl"), limit=1)
+        assert regenerate(other, tiny_target)["written"] == 1
 
 
 def test_command_line(tiny_target, prompts_file, tmp_path):
