@@ -1,6 +1,7 @@
-"""One writer per run folder and per store: a second training on the same `train.out_dir`, or a
-second precompute (or capturing regeneration) on the same store, is refused in one line naming the
-process that holds it, before it reads or writes anything.
+"""One writer per run folder, per store and per regeneration output: a second training on the same
+`train.out_dir`, a second precompute (or capturing regeneration) on the same store, or a second
+regeneration into the same output file, is refused in one line naming the process that holds it,
+before it reads or writes anything.
 
 The lock is an advisory `flock` on a `.lock` file in the directory (`.lock.rank<r>` for launched
 rank r > 0: every rank of a second job meets the same rank of the first). The kernel drops it
