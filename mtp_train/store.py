@@ -208,19 +208,18 @@ class ShardWriter:
         for path in self.dir.glob(f"shard-{self.rank:05d}-*"):
             if path.name not in committed:
                 path.unlink()
-        for name in committed:
-            if not (self.dir / name).exists():
-                raise FileNotFoundError(
-                    f"{self.dir / name}: journaled shard is missing; the store is damaged"
-                )
 
     def _drop_damaged(self) -> None:
-        """A resumed rank re-hashes its journaled shards: one damaged since it was written leaves the
-        journal and is computed again, rather than being published in the manifest unchecked."""
-        damaged = [e for e in self.shards if file_sha256(self.dir / e["file"]) != e["sha256"]]
+        """A resumed rank re-hashes its journaled shards: one damaged or deleted since it was written
+        leaves the journal and is computed again, rather than being published in the manifest
+        unchecked (or stopping the store for good: `repair` needs a manifest to work from)."""
+        problems = {e["file"]: shard_problem(self.dir / e["file"], e["sha256"]) for e in self.shards}
+        damaged = [e for e in self.shards if problems[e["file"]]]
         for entry in damaged:
-            print(f"precompute rank {self.rank}: {entry['file']} is damaged; its samples are computed again")
-            (self.dir / entry["file"]).unlink()
+            print(
+                f"precompute rank {self.rank}: {entry['file']} is {problems[entry['file']]}; its samples are computed again"
+            )
+            (self.dir / entry["file"]).unlink(missing_ok=True)
         if damaged:
             self.shards = [e for e in self.shards if e not in damaged]
             self.journal.rewrite(self.shards)
@@ -396,6 +395,13 @@ def merge_manifests(store_dir: str | Path, header: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Reading
+
+
+def shard_problem(path: Path, sha256: str) -> str | None:
+    """ "missing" or "damaged" for a journaled shard that is not as it was written, else None."""
+    if not path.exists():
+        return "missing"
+    return "damaged" if file_sha256(path) != sha256 else None
 
 
 def read_verified(path: Path) -> dict:

@@ -241,14 +241,21 @@ def test_a_resumed_rank_recomputes_a_shard_damaged_since_it_was_journaled(tmp_pa
     assert resumed.done_ids() == {r.sample_id for r in records} - lost
 
 
-def test_missing_journaled_shard_is_an_error(tmp_path):
+def test_a_resumed_rank_recomputes_a_journaled_shard_deleted_since(tmp_path, capsys):
+    """As a damaged one: before, the rank refused and `repair` (which needs a manifest) could not help."""
     writer = ShardWriter(tmp_path, rank=0, shard_tokens=10)
-    for r in make_records(3):
+    records = make_records(3)
+    for r in records:
         writer.add(r)
     writer.wait()
-    (tmp_path / shard_name(0, 0)).unlink()
-    with pytest.raises(FileNotFoundError, match=shard_name(0, 0)):
-        ShardWriter(tmp_path, rank=0, shard_tokens=10)
+    victim = tmp_path / shard_name(0, 0)
+    lost = {int(i) for i in read_shard(victim)["sample_ids"]}
+    victim.unlink()
+    resumed = ShardWriter(tmp_path, rank=0, shard_tokens=10)
+    assert shard_name(0, 0) not in {e["file"] for e in resumed.shards}
+    assert shard_name(0, 0) not in resumed.journal.path.read_text()
+    assert resumed.done_ids() == {r.sample_id for r in records} - lost
+    assert f"{shard_name(0, 0)} is missing; its samples are computed again" in capsys.readouterr().out
 
 
 def test_merge_two_ranks_and_refuse_missing_rank(tmp_path):
