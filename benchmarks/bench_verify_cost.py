@@ -110,14 +110,14 @@ def decode_read_limits(cfg, verify: dict, device_name: str) -> dict | None:
     at the device's peak bandwidth, and the measured decode step's share of that peak (#36: 75 % at
     batch 1). None where the kind or the device has no such count."""
     bandwidth = peak_bandwidth(device_name)
-    if bandwidth is None or decode_read_bytes(cfg, 1, CONTEXT) is None:
+    reads = {bs: decode_read_bytes(cfg, int(bs), CONTEXT) for bs in verify}
+    if bandwidth is None or None in reads.values():
         return None
-    out = {}
-    for bs, row in verify.items():
-        read = decode_read_bytes(cfg, int(bs), CONTEXT)
-        limit_ms = read / bandwidth * 1e3
-        out[bs] = {"bytes": read, "limit_ms": limit_ms, "share_of_peak": limit_ms / row["1"]}
-    return out
+    limits = {bs: read / bandwidth * 1e3 for bs, read in reads.items()}
+    return {
+        bs: {"bytes": reads[bs], "limit_ms": limits[bs], "share_of_peak": limits[bs] / row["1"]}
+        for bs, row in verify.items()
+    }
 
 
 def main() -> None:
@@ -176,6 +176,7 @@ def main() -> None:
         }
     else:
         verify = measured[depths[0]]
+    device_name = torch.cuda.get_device_name()
     suffix = (
         ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}")
         + ("_compiled" if args.compiled_layers else "")
@@ -197,8 +198,8 @@ def main() -> None:
             "verify_ms": verify,
             "verify_ms_measured": {str(d): m for d, m in measured.items()} if len(depths) == 2 else None,
             "draft_step_ms": draft_costs(cfg, args.batches),
-            "peak_bandwidth_bytes_per_s": peak_bandwidth(torch.cuda.get_device_name()),
-            "decode_read": decode_read_limits(cfg, verify, torch.cuda.get_device_name()),
+            "peak_bandwidth_bytes_per_s": peak_bandwidth(device_name),
+            "decode_read": decode_read_limits(cfg, verify, device_name),
         },
     )
 

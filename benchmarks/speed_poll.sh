@@ -7,6 +7,6 @@ log=${2:-/root/speed}
 end=$(( $(date +%s) + $1 ))
 while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$log.finished" ]; do sleep 10; done
 date; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
-cat "$log.log" 2>/dev/null || cat /root/speed.log 2>/dev/null
+cat "$log.log" 2>/dev/null
 ls "$log/results" 2>/dev/null
 tar czf "$OUT/speed.tgz" -C "$(dirname "$log")" "$(basename "$log")" && echo "packed $OUT/speed.tgz"

@@ -66,10 +66,11 @@ def read_native_config(path: str | Path) -> dict:
     return native_config(read_config(path), path)
 
 
-def weights_file(path: str | Path) -> Path:
-    """The weights file of a head directory: a native head's, or an engine export's."""
+def weights_file(path: str | Path, config: dict | None = None) -> Path:
+    """The weights file of a head directory (`config`: its config.json, where already read): a
+    native head's, or an engine export's."""
     path = Path(path)
-    config = read_config(path)
+    config = read_config(path) if config is None else config
     return path / (ENGINE_WEIGHTS if native_config(config, path) is not config else WEIGHTS)
 
 
@@ -78,7 +79,7 @@ def read_head_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     path = Path(path)
     config = read_config(path)
     native = native_config(config, path)
-    weights = weights_file(path)
+    weights = weights_file(path, config)
     if not weights.exists():
         raise FileNotFoundError(f"{path}: no {weights.name} beside its {CONFIG}")
     try:

@@ -132,7 +132,7 @@ def _json_records(path: Path) -> Iterator[tuple[str, dict]]:
         for lineno, raw in enumerate(f, 1):
             line = _decoded(f"{path}:{lineno}", raw)
             if line.strip():
-                yield f"{path}:{lineno}", _parse_object(f"{path}:{lineno}", line)
+                yield f"{path}:{lineno}", parse_object(f"{path}:{lineno}", line)
 
 
 def _decoded(source, raw: bytes) -> str:
@@ -157,7 +157,8 @@ def _json_array(path: Path, text: str) -> Iterator[tuple[str, dict]]:
         yield f"{path}:{index}", record
 
 
-def _parse_object(source: str, line: str) -> dict:
+def parse_object(source: str, line: str) -> dict:
+    """One JSON line's object, or one line naming `source` (file:line) and what is wrong."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:

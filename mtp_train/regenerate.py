@@ -39,7 +39,7 @@ from inference_ref.target import load_target
 from mtp_train.capture import StoreCapture
 from mtp_train.cli import one_line_errors
 from mtp_train.config import ConfigError, RegenerateConfig, checked
-from mtp_train.data import Message, Prompt, load_prompts, prompt_ids
+from mtp_train.data import Message, Prompt, load_prompts, parse_object, prompt_ids
 from mtp_train.locks import exclusive
 from mtp_train.parallel import Ranks, one_process
 from mtp_train.run import refuse_static_fp8, resolve_run
@@ -85,10 +85,7 @@ def jsonl_records(path: Path, text: str) -> Iterator[tuple[str, dict]]:
     json.dumps(ensure_ascii=False) leaves raw."""
     for number, line in enumerate(text.split("\n"), 1):
         if line.strip():
-            try:
-                yield line + "\n", json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{number}: not a JSON record ({e})") from None
+            yield line + "\n", parse_object(f"{path}:{number}", line)
 
 
 def part_files(out: Path) -> list[Path]:

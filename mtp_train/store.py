@@ -398,7 +398,8 @@ def merge_manifests(store_dir: str | Path, header: dict) -> dict:
 
 
 def shard_problem(path: Path, sha256: str) -> str | None:
-    """ "missing" or "damaged" for a journaled shard that is not as it was written, else None."""
+    """What is wrong with a journaled shard ("missing", "damaged": not the bytes it was written
+    with), or None."""
     if not path.exists():
         return "missing"
     return "damaged" if file_sha256(path) != sha256 else None

@@ -160,7 +160,7 @@ def test_answers_holding_line_separators_resume(tiny_target, tmp_path):
     assert regenerate(cfg, tiny_target)["written"] == 0
     with open(cfg.output, "a", encoding="utf-8") as f:
         f.write("{not json}\n")
-    with pytest.raises(ValueError, match=rf"^{cfg.output}:2: not a JSON record"):
+    with pytest.raises(ValueError, match=rf"^{cfg.output}:2: invalid JSON"):
         regenerate(cfg, tiny_target)
 
 
