@@ -330,6 +330,38 @@ def _split_records(cfg: DataConfig, split: str) -> Iterator[tuple[str, dict]]:
     raise ValueError(f"split must be 'train' or 'holdout', got {split!r}")
 
 
+def check_holdout_unseen(held: DataConfig, trained: dict, source: str) -> None:
+    """Refuse teacher-forced validation on `held`'s set-aside records (`data.holdout`) where the head
+    may have trained on them. `trained`: the data config of its training samples (a store's
+    `data.config`, a head's `training.data`), named `source` in the message. The same files: the
+    set-aside records must be among those training skipped (holdout at most the trained one). Other
+    files that share one: which records were trained on cannot be told, so refused too."""
+    if not held.holdout:
+        return
+    mine = [_file_key(f) for f in held.train_files]
+    theirs = [_file_key(f) for f in trained.get("train_files") or []]
+    skipped = int(trained.get("holdout") or 0)
+    if mine == theirs and held.holdout <= skipped:
+        return
+    if mine == theirs:
+        raise ValueError(
+            f"{source}: made with data.holdout={skipped}, so the head trained on records {skipped}.."
+            f"{held.holdout - 1} that data.holdout={held.holdout} validates on: set data.holdout≤{skipped}"
+        )
+    shared = sorted(set(mine) & set(theirs))
+    if shared:
+        raise ValueError(
+            f"{source}: made from data.train_files={trained.get('train_files')}, which share {shared[0]} "
+            f"with data.train_files={list(held.train_files)}: data.holdout's records may be trained on; "
+            "validate with the training's data.train_files and data.holdout"
+        )
+
+
+def _file_key(path: str | Path) -> str:
+    """A data file as one spelling (relative or absolute, `./` or not)."""
+    return str(Path(path).expanduser().resolve())
+
+
 def _fit(sample: Sample, cfg: DataConfig, counts: dict) -> Sample | None:
     """The sample within `max_seq_len` (truncated, or None when dropped), or None if nothing is supervised."""
     if len(sample.input_ids) > cfg.max_seq_len:

@@ -33,6 +33,7 @@ from mtp_train import checkpoint
 from mtp_train.batching import DraftBatch, MicroBatchPlan, collate, prefetched
 from mtp_train.cli import one_line_errors
 from mtp_train.config import ModelConfig, RunConfig, TrainConfig, checked
+from mtp_train.data import check_holdout_unseen
 from mtp_train.heads import MTPHead, build
 from mtp_train.locks import exclusive
 from mtp_train.losses import DraftObjective, LossWeights
@@ -152,6 +153,8 @@ class Training:
     """What the run was made with, recorded in its checkpoints (`run_identity`)."""
     autocast: torch.dtype | None = None
     """The dtype the step's forward autocasts to (`train.precision`; None: the parameters' own)."""
+    data: dict | None = None
+    """The data config the training samples were made with: the store's, or `cfg.data` online."""
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -330,7 +333,17 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, TrainingStates, int]:
         for line in apply_changed_settings(t, checkpoint.saved_settings(last), start):
             acc.print(line)
     t.identity = identity
+    t.data = samples_data_config(cfg, states)
+    if tc.validate_every or tc.spec_validate_at:  # before any step: the set-aside text must be unseen
+        check_holdout_unseen(cfg.data, t.data, describe_data(states, tc))
     return t, run, states, start
+
+
+def samples_data_config(cfg: RunConfig, states: TrainingStates) -> dict:
+    """The data config the samples came from: the store's header, or this run's (online)."""
+    if states.kind == "store":
+        return states.store.manifest["data"]["config"]
+    return OmegaConf.to_container(OmegaConf.structured(cfg.data), resolve=True)
 
 
 def open_states(cfg: RunConfig, run: Run, mode: str, data, aux_layers: tuple[int, ...]) -> TrainingStates:
@@ -448,7 +461,7 @@ def _train(cfg: RunConfig) -> Path:
         progress.step(step + 1, stats, grad_norm, t.scheduler.get_last_lr()[0], waited)
         hooks.after_step(step + 1, progress)
         dead.check(step + 1, grad_norm)
-    head_dir = export_head(t.acc, t.objective, out_dir / "head", run.target.identity, cfg, tc.steps)
+    head_dir = export_head(t, out_dir / "head", run.target.identity, cfg, tc.steps)
     if t.acc.is_main_process and start < tc.steps:  # a rerun of a finished run keeps its figures
         write_summary(out_dir / "train_summary.json", tc.steps, progress.summary())
     if states.kind == "online":
@@ -485,10 +498,10 @@ class Hooks:
                 t.acc, self.out_dir, done, t.objective, t.optimizer, t.scheduler, t.identity, settings
             )
         if tc.export_every and done % tc.export_every == 0 and done != tc.steps:
-            export_head(t.acc, t.objective, self.out_dir / f"head-step{done:07d}", identity, self.cfg, done)
+            export_head(t, self.out_dir / f"head-step{done:07d}", identity, self.cfg, done)
         spec = done in tc.spec_validate_at
         if spec or (tc.validate_every and done % tc.validate_every == 0):
-            head_dir = export_head(t.acc, t.objective, self.out_dir / "head-latest", identity, self.cfg, done)
+            head_dir = export_head(t, self.out_dir / "head-latest", identity, self.cfg, done)
             rank, world = t.acc.process_index, t.acc.num_processes
             self.validator = self.validator or DuringTraining(self.cfg, self.run, rank, world)
             with self.states_lock:
@@ -511,15 +524,18 @@ def validate_in_job(acc: Accelerator, validator: DuringTraining, head_dir: Path,
     return {**figures, "val/seconds_max": every.max().item(), "val/seconds_min": every.min().item()}
 
 
-def export_head(acc: Accelerator, objective, out: Path, identity: dict, cfg: RunConfig, step: int) -> Path:
-    """Write the head in the native format (gathering ZeRO-3 shards first)."""
+def export_head(t: Training, out: Path, identity: dict, cfg: RunConfig, step: int) -> Path:
+    """Write the head in the native format (gathering ZeRO-3 shards first). Its config records the
+    run's config and the data config its samples were made with (`training.data`: validation's
+    `data.holdout` is checked against it)."""
     from mtp_train.export import save_head
 
-    state = acc.get_state_dict(objective)
+    acc = t.acc
+    state = acc.get_state_dict(t.objective)
     if acc.is_main_process:
-        head = acc.unwrap_model(objective).head
+        head = acc.unwrap_model(t.objective).head
         params = {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
-        training = {"step": step, "config": OmegaConf.to_container(cfg, resolve=True)}
+        training = {"step": step, "config": OmegaConf.to_container(cfg, resolve=True), "data": t.data}
         save_head(head, out, identity, training, params=params)
     acc.wait_for_everyone()
     return out

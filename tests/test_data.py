@@ -17,6 +17,7 @@ from mtp_train.config import DataConfig
 from mtp_train.data import (
     Conversation,
     DataFormatError,
+    check_holdout_unseen,
     encode,
     load_conversations,
     load_prompts,
@@ -361,6 +362,24 @@ def test_holdout_is_the_first_records_and_max_samples_counts_after_it(tmp_path, 
     assert [s.source for s in held] == [f"{path}:1", f"{path}:2"] and counts["records"] == 2
     train, _ = load_samples(cfg, chatml, split="train")
     assert [s.source for s in train] == [f"{path}:{n}" for n in [3, 4, 5, 1, 2, 3]]
+
+
+def test_validation_refuses_set_aside_records_the_head_may_have_trained_on(tmp_path, monkeypatch):
+    """data.holdout against the data the head trained on (a store's data config): the same files
+    under another spelling pass when training skipped at least as many records; fewer skipped, or
+    other files sharing one, are refused in one line naming where the training data is recorded."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.jsonl").touch()
+    trained = {"train_files": [str(tmp_path / "a.jsonl")], "holdout": 4}
+    check_holdout_unseen(DataConfig(train_files=["./a.jsonl"], holdout=4), trained, "store S")
+    check_holdout_unseen(DataConfig(train_files=["a.jsonl"], holdout=0), {"holdout": 0}, "store S")
+    check_holdout_unseen(DataConfig(train_files=["b.jsonl"], holdout=9), trained, "store S")  # other files
+    with pytest.raises(
+        ValueError, match=r"^store S: made with data.holdout=4, so the head trained on records 4..5"
+    ):
+        check_holdout_unseen(DataConfig(train_files=["a.jsonl"], holdout=6), trained, "store S")
+    with pytest.raises(ValueError, match=r"^store S: made from data.train_files=.*share .*a.jsonl"):
+        check_holdout_unseen(DataConfig(train_files=["b.jsonl", "a.jsonl"], holdout=1), trained, "store S")
 
 
 # --- prompts -----------------------------------------------------------------------------------

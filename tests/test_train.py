@@ -18,6 +18,7 @@ import mtp_train.config  # noqa: F401  (registers the schema)
 from mtp_train.precompute import run_precompute
 from mtp_train.target_files import write_random_target
 from mtp_train.train import train
+from mtp_train.validate.parity import holdout_samples
 from tiny import assert_tau_consistent
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -184,6 +185,17 @@ def test_static_fp8_is_refused_before_the_first_step_when_training_validates(
     assert not (tmp_path / "run" / "train" / "metrics.jsonl").exists()  # refused before any step
 
 
+def test_set_aside_records_the_store_trained_on_are_refused_before_the_first_step(
+    tiny_target, tiny_store, tmp_path
+):
+    """The store holds every GSM8K record (made with data.holdout=0): validating on its first
+    records as set-aside text would score the head on what it trained on."""
+    extra = [f"data.train_files=[{GSM8K}]", "data.holdout=4", "train.steps=2", "train.validate_every=1"]
+    with pytest.raises(ValueError, match=r"made with data.holdout=0, so the head trained on records 0..3"):
+        train(config(tiny_overrides(tiny_target, tmp_path / "run", tiny_store, *extra)))
+    assert not (tmp_path / "run" / "train" / "metrics.jsonl").exists()
+
+
 def test_validation_runs_inside_training(tiny_target, tiny_store, tmp_path):
     mt_bench = Path(__file__).resolve().parent.parent / "data" / "mt_bench.jsonl"
     run = tmp_path / "run"
@@ -210,6 +222,14 @@ def test_validation_runs_inside_training(tiny_target, tiny_store, tmp_path):
     }
     assert_tau_consistent(chain, k=2)
     assert (run / "train" / "head-latest" / "head.safetensors").exists()
+    recorded = json.loads((run / "train" / "head-latest" / "config.json").read_text())["training"]["data"]
+    assert recorded["train_files"] == [str(GSM8K)] and recorded["holdout"] == 0  # the store's data
+    # so standalone validation refuses set-aside text the head trained on, before loading anything
+    held_out = config(
+        tiny_overrides(tiny_target, run, tiny_store, f"data.train_files=[{GSM8K}]", "data.holdout=2")
+    )
+    with pytest.raises(ValueError, match=r"head-latest's training data: made with data.holdout=0"):
+        holdout_samples(held_out, None, run / "train" / "head-latest")
 
 
 def test_bf16_mixed_precision_trains_fp32_master_weights_close_to_fp32(tiny_target, tiny_store, tmp_path):

@@ -60,7 +60,7 @@ class DuringTraining:
         if self.ev is None:
             self.ev = Evaluator.load(self.run, head_dir, vc.compile)
             _, dialogs, _ = target_only_pass(self.ev, self.prompts, vc)
-            held = holdout_samples(self.cfg, self.ev)[self.rank :: self.world]
+            held = holdout_samples(self.cfg, self.ev, head_dir)[self.rank :: self.world]
             self.samples = held or samples_of(self.ev, dialogs, self.tf_limit, self.cfg.data.max_seq_len)
         else:
             self.ev.draft = load_draft(head_dir, self.ev.target)

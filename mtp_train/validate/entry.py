@@ -82,7 +82,7 @@ def run_validation(cfg: RunConfig) -> dict:
             figures["speedup_vs_target_only"] = figures["tokens_per_s"] / baseline["tokens_per_s"]
             runs[key] = figures
     head = load_head(vc.head, run.target).to(device=run.device, dtype=run.dtype)
-    held = holdout_samples(cfg, ev)
+    held = holdout_samples(cfg, ev, Path(vc.head))
     samples = held or samples_of(ev, base_dialogs, vc.teacher_forced_samples, cfg.data.max_seq_len)
     rounding = store_rounding(cfg, run.device)
     report["teacher_forced"] = teacher_forced(ev, head, samples, rounding, cfg.train.loss_chunk_logits)

@@ -13,10 +13,11 @@ import torch
 
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.generate import prefill
+from inference_ref.head_files import read_native_config
 from inference_ref.target import TargetModel
 from mtp_train.batching import align_sample, collate
 from mtp_train.config import RunConfig
-from mtp_train.data import Conversation, Sample, encode, load_samples
+from mtp_train.data import Conversation, Sample, check_holdout_unseen, encode, load_samples
 from mtp_train.heads import MTPHead
 from mtp_train.losses import DraftObjective, LossWeights
 from mtp_train.store import dequantize_fp8, quantize_fp8
@@ -101,10 +102,15 @@ def samples_of(ev: Evaluator, dialogs: list[list[dict]], limit: int, max_len: in
     ]
 
 
-def holdout_samples(cfg: RunConfig, ev: Evaluator) -> list[Sample]:
+def holdout_samples(cfg: RunConfig, ev: Evaluator, head_dir: Path) -> list[Sample]:
     """The teacher-forced text when the training data sets some aside (`data.holdout`): the first
-    `validate.teacher_forced_samples` held-out records. Empty otherwise: the text is then the
-    target's own answers to the evaluation prompts."""
+    `validate.teacher_forced_samples` held-out records, refused where the head may have trained on
+    them (the data config its config records). Empty otherwise: the text is then the target's own
+    answers to the evaluation prompts."""
     if not cfg.data.holdout:
         return []
+    training = read_native_config(head_dir).get("training") or {}
+    # heads exported before `training.data` was recorded: the run's own data config
+    trained = training.get("data") or (training.get("config") or {}).get("data") or {}
+    check_holdout_unseen(cfg.data, trained, f"head {head_dir}'s training data")
     return load_samples(cfg.data, ev.tokenizer, split="holdout")[0][: cfg.validate.teacher_forced_samples]
