@@ -30,7 +30,14 @@ from inference_ref.generate import States
 from inference_ref.target import TargetModel
 from mtp_train.config import ConfigError, RunConfig
 from mtp_train.data import Conversation, Sample, encode, iter_records, load_samples, training_sample
-from mtp_train.precompute import check_finite_states, encode_hidden, forward_batch, pack_by_length, run_header
+from mtp_train.precompute import (
+    RECORDED_LATER,
+    check_finite_states,
+    encode_hidden,
+    forward_batch,
+    pack_by_length,
+    run_header,
+)
 from mtp_train.run import Target, aux_layers_of
 from mtp_train.store import Record, ShardWriter, merge_manifests, read_shard, write_json_atomic
 from mtp_train.target_files import check_same_target
@@ -58,9 +65,9 @@ def check_capture(cfg: RunConfig) -> None:
 class StoreCapture:
     """The store `precompute.store_dir` built from a regeneration's states (see the module)."""
 
-    def __init__(self, cfg: RunConfig, target: Target):
+    def __init__(self, cfg: RunConfig, target: Target, compute_dtype: torch.dtype):
         check_capture(cfg)
-        self.cfg, self.target = cfg, target
+        self.cfg, self.target, self.compute_dtype = cfg, target, compute_dtype
         self.dir = Path(cfg.precompute.store_dir)
         self.aux = tuple(aux_layers_of(cfg.model, target.config)) if cfg.precompute.aux else ()
         self.kept: dict[str, tuple[list[int], torch.Tensor]] = {}  # prompt id → (tokens, states)
@@ -95,8 +102,8 @@ class StoreCapture:
         if old is None:
             return
         check_same_target(now["target"], old["target"], f"store {self.dir}")
-        for key in ("hidden_dtype", "aux_layers", "target_quantization", "world_size"):
-            if old.get(key) != now.get(key):
+        for key in ("hidden_dtype", "compute_dtype", "aux_layers", "target_quantization", "world_size"):
+            if old.get(key) != now.get(key) and not ((key,) in RECORDED_LATER and old.get(key) is None):
                 raise ValueError(
                     f"store {self.dir} was written with {key} {old.get(key)!r}, this run has "
                     f"{now.get(key)!r}: choose another precompute.store_dir"
@@ -190,7 +197,7 @@ class StoreCapture:
 
     def _header(self, samples: list[Sample], counts: dict) -> dict:
         """precompute's header of this store (one rank)."""
-        return run_header(self.cfg, self.target, samples, counts, 1)
+        return run_header(self.cfg, self.target, samples, counts, 1, self.compute_dtype)
 
     # --- at the end -----------------------------------------------------------------------------
 

@@ -128,7 +128,7 @@ def run_demo(overrides: list[str]) -> dict:
     run = resolve_run(cfg.model)
     print(f"{run.target.dir} ({time.perf_counter() - t:.0f} s)")
     t = stage("regenerate: the target answers the prompts (their states go to the store)")
-    capture = StoreCapture(cfg, run.target) if cfg.regenerate.capture else None
+    capture = StoreCapture(cfg, run.target, run.dtype) if cfg.regenerate.capture else None
     counts = regenerate(
         cfg.regenerate, run.target.dir, run.device, run.dtype, run.quantization, capture=capture
     )

@@ -103,7 +103,7 @@ def run_precompute(cfg) -> Path:
 
 def _run_precompute(cfg) -> Path:
     ranks = launched_ranks(cfg.model.tp_size)
-    job = prepare(cfg, ranks.dp_rank, ranks.dp_size)
+    job = prepare(cfg, ranks.dp_rank, ranks.dp_size, ranks.device)
     if job.complete:
         if ranks.main:
             print(f"precompute: {job.store_dir} is already complete")
@@ -123,8 +123,9 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def prepare(cfg, rank: int, world: int) -> RankJob:
-    """Tokenize the data, fix the run's settings, and claim (or re-check) the store directory."""
+def prepare(cfg, rank: int, world: int, device: torch.device | str = "cpu") -> RankJob:
+    """Tokenize the data, fix the run's settings, and claim (or re-check) the store directory.
+    `device`: where the forwards run, which `model.dtype=auto` resolves on."""
     _config.checked(cfg)
     if not cfg.data.train_files:
         raise _config.ConfigError("data.train_files is empty: name the conversation files to precompute")
@@ -139,7 +140,9 @@ def prepare(cfg, rank: int, world: int) -> RankJob:
             f"records after data.holdout {cfg.data.holdout}, {counts['dropped']} dropped as longer than "
             f"data.max_seq_len, {counts['unsupervised']} without a supervised (assistant) token"
         )
-    header = run_header(cfg, target, samples, counts, world)
+    header = run_header(
+        cfg, target, samples, counts, world, model_dtype(cfg.model.dtype, torch.device(device))
+    )
     store_dir = Path(cfg.precompute.store_dir)
     claim_store_dir(store_dir, header)
     pc = cfg.precompute
@@ -153,15 +156,18 @@ def prepare(cfg, rank: int, world: int) -> RankJob:
         tokens_per_batch=pc.tokens_per_batch,
         shard_tokens=pc.shard_tokens,
         hidden_dtype=pc.hidden_dtype,
-        model_dtype=cfg.model.dtype,
+        model_dtype=header["compute_dtype"],  # resolved once: every rank and resumed run computes alike
         compile=pc.compile,
         capture=tuple(header.get("aux_layers", ())),
         quantization=cfg.model.quantization,
     )
 
 
-def run_header(cfg, target: Target, samples: list[Sample], counts: dict, world: int) -> dict:
-    """The manifest fields fixed before any compute."""
+def run_header(
+    cfg, target: Target, samples: list[Sample], counts: dict, world: int, compute_dtype: torch.dtype
+) -> dict:
+    """The manifest fields fixed before any compute. `compute_dtype`: the target's, `model.dtype`
+    resolved (a store resumed in another dtype would mix states rounded two ways)."""
     hidden_size = target.config.hidden_size
     aux = list(aux_layers_of(cfg.model, target.config)) if cfg.precompute.aux else []
     if aux:
@@ -172,6 +178,7 @@ def run_header(cfg, target: Target, samples: list[Sample], counts: dict, world: 
         "target": target.identity,
         "hidden_size": hidden_size,
         "hidden_dtype": cfg.precompute.hidden_dtype,
+        "compute_dtype": str(compute_dtype).removeprefix("torch."),
         **({"aux_layers": aux} if aux else {}),  # absent from stores without (and from older ones)
         **({"target_quantization": cfg.model.quantization} if cfg.model.quantization != "none" else {}),
         "bytes_per_token": bytes_per_token(hidden_size, cfg.precompute.hidden_dtype, 1 + len(aux)),
@@ -205,17 +212,27 @@ def claim_store_dir(store_dir: Path, header: dict) -> None:
         return
     old = json.loads(path.read_text())
     check_same_target(header["target"], old["target"], f"store {store_dir}")
-    keys = [("hidden_dtype",), ("aux_layers",), ("target_quantization",), ("data", "sha256")]
+    keys = [
+        ("hidden_dtype",),
+        ("compute_dtype",),
+        ("aux_layers",),
+        ("target_quantization",),
+        ("data", "sha256"),
+    ]
     if not (store_dir / "manifest.json").exists():
         keys.append(("world_size",))  # a resumed rank continues its own journal: same ranks needed
     for key in keys:
         was, now = _get(old, key), _get(header, key)
-        if was != now:
+        if was != now and not (key in RECORDED_LATER and was is None):
             what = ".".join(key)
             raise ValueError(
                 f"store {store_dir} was started with {what} {was!r}, this run has {now!r}: "
                 "resume with the same settings, or choose another precompute.store_dir"
             )
+
+
+RECORDED_LATER = {("compute_dtype",)}
+"""Settings that stores started before they were recorded lack: not compared there."""
 
 
 def _get(d: dict, key: tuple[str, ...]):

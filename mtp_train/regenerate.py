@@ -215,6 +215,10 @@ def regenerate(
     # one run per output (a second one would answer every prompt again into the same file), and
     # the captured store has one writer (one process: `check_capture`)
     refuse_static_fp8(quantization, "regeneration")  # before the lock makes the output's folder
+    if capture and capture.compute_dtype != dtype:  # the store's header records the states' dtype
+        raise ValueError(
+            f"the store capture was made for {capture.compute_dtype}, the target runs in {dtype}"
+        )
     out = Path(rcfg.output)
     with exclusive(out.parent, "regenerate.output", lock_name=f".{out.name}.lock"):
         with exclusive(capture.dir, "precompute.store_dir") if capture else nullcontext():
@@ -293,7 +297,7 @@ def main(cfg) -> None:
             "launch one, or set regenerate.capture=false and precompute (which splits the data "
             "over the processes)"
         )
-    capture = StoreCapture(cfg, run.target) if cfg.regenerate.capture else None
+    capture = StoreCapture(cfg, run.target, run.dtype) if cfg.regenerate.capture else None
     started = time.perf_counter()
     counts = regenerate(
         cfg.regenerate, run.target.dir, run.device, run.dtype, run.quantization, ranks, capture

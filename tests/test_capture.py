@@ -80,7 +80,7 @@ def config(target: Path, tmp_path: Path, *extra: str):
 
 
 def run_regenerate(cfg) -> tuple[dict, StoreCapture]:
-    capture = StoreCapture(cfg, Target.resolve(cfg.model.target))
+    capture = StoreCapture(cfg, Target.resolve(cfg.model.target), torch.float32)
     counts = regenerate(cfg.regenerate, cfg.model.target, capture=capture)
     return counts, capture
 
@@ -152,7 +152,7 @@ def test_a_killed_capture_resumes_and_precompute_refuses_it_meanwhile(chatty_tar
 def test_capture_needs_the_regenerated_file_as_the_data(tiny_target, tmp_path):
     cfg = config(tiny_target, tmp_path, f"data.train_files=[{REPO / 'tests' / 'data' / 'gsm8k_64.jsonl'}]")
     with pytest.raises(ConfigError, match=r"data.train_files=\["):
-        StoreCapture(cfg, Target.resolve(cfg.model.target))
+        StoreCapture(cfg, Target.resolve(cfg.model.target), torch.float32)
 
 
 def test_answers_stop_at_a_loop_and_the_store_still_is_precomputes(chatty_target, tmp_path):

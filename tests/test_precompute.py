@@ -338,3 +338,21 @@ def test_resume_refuses_other_settings(tiny_target, chat_file, smollm2, tmp_path
     cfg.data.max_samples = 5
     with pytest.raises(ValueError, match="data.sha256"):
         prepare(cfg, 0, 1)
+
+
+def test_resume_refuses_another_compute_dtype_and_takes_stores_that_predate_it(
+    tiny_target, chat_file, tmp_path
+):
+    """model.dtype resolved where the forwards run (auto: bf16 on a GPU, fp32 on most CPUs) is in
+    the header: a store started in fp32 and resumed in bf16 would hold states rounded two ways."""
+    cfg = make_cfg(tiny_target, chat_file, tmp_path / "store")
+    cfg.model.dtype = "float32"
+    assert prepare(cfg, 0, 1).header["compute_dtype"] == "float32"
+    cfg.model.dtype = "bfloat16"
+    with pytest.raises(ValueError, match="compute_dtype 'float32', this run has 'bfloat16'"):
+        prepare(cfg, 0, 1)
+    run_json = tmp_path / "store" / "run.json"
+    old = json.loads(run_json.read_text())
+    del old["compute_dtype"]  # a store started before the dtype was recorded
+    run_json.write_text(json.dumps(old))
+    assert prepare(cfg, 0, 1).model_dtype == "bfloat16"
