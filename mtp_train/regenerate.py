@@ -5,8 +5,8 @@
 A draft head is trained to predict the target, so the best training answers are the target's own.
 Multi-turn prompts are answered turn by turn (turn 2 sees the target's answer to turn 1), batched
 across conversations. The output is messages-format jsonl, appended and flushed one batch at a
-time: a restarted run skips the ids already written, so a killed run loses at most the batch in
-flight and writes nothing twice.
+time: a restarted run skips the ids already written (`answered`: a moved prompt file is followed,
+a changed one refused), so a killed run loses at most the batch in flight and writes nothing twice.
 
 Launched as N processes (`accelerate launch` / torchrun), N / `model.tp_size` groups split the
 prompts, dealt one at a time from the longest down so that every group gets as many long ones;
@@ -39,7 +39,15 @@ from inference_ref.target import load_target
 from mtp_train.capture import StoreCapture
 from mtp_train.cli import one_line_errors
 from mtp_train.config import ConfigError, RegenerateConfig, checked
-from mtp_train.data import Message, Prompt, load_prompts, parse_object, prompt_ids
+from mtp_train.data import (
+    Message,
+    Prompt,
+    load_prompts,
+    parse_object,
+    prompt_ids,
+    to_conversation,
+    user_turns,
+)
 from mtp_train.locks import exclusive
 from mtp_train.parallel import Ranks, one_process
 from mtp_train.run import refuse_static_fp8, resolve_run
@@ -67,25 +75,28 @@ PER_GROUP = ("written", "cut_short", "unfinished", "looped", "new_tokens")
 """The counts each data-parallel group makes of its own share (the others are of all prompts)."""
 
 
-def written_ids(path: Path) -> set[str]:
-    """Ids already in the output; a line torn by a kill mid-write is cut off first."""
+def written_turns(path: Path) -> dict[str, tuple[str, list[list[Message]]]]:
+    """id → (`file:line`, the turns it answers, without the answers) of each record already in
+    `path`; a line torn by a kill mid-write is cut off first."""
     if not path.exists():
-        return set()
+        return {}
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
     if len(complete) < len(data):
         with path.open("r+b") as f:
             f.truncate(len(complete))
-    return {record["id"] for _, record in jsonl_records(path, complete.decode("utf-8"))}
+    records = jsonl_records(path, complete.decode("utf-8"))
+    return {r["id"]: (where, user_turns(to_conversation(r, where)).turns) for where, _, r in records}
 
 
-def jsonl_records(path: Path, text: str) -> Iterator[tuple[str, dict]]:
-    """(line, record) of each line of an output or part file. Split on "\n" only, as the writer
-    ends its records: str.splitlines would also split at U+2028 or NEL inside an answer, which
-    json.dumps(ensure_ascii=False) leaves raw."""
+def jsonl_records(path: Path, text: str) -> Iterator[tuple[str, str, dict]]:
+    """(`file:line`, line, record) of each line of an output or part file. Split on "\n" only, as
+    the writer ends its records: str.splitlines would also split at U+2028 or NEL inside an answer,
+    which json.dumps(ensure_ascii=False) leaves raw."""
     for number, line in enumerate(text.split("\n"), 1):
         if line.strip():
-            yield line + "\n", parse_object(f"{path}:{number}", line)
+            where = f"{path}:{number}"
+            yield where, line + "\n", parse_object(where, line)
 
 
 def part_files(out: Path) -> list[Path]:
@@ -93,9 +104,47 @@ def part_files(out: Path) -> list[Path]:
     return sorted(out.parent.glob(f"{out.name}.part*"))
 
 
-def all_written_ids(out: Path) -> set[str]:
-    """Ids in the output and in any part file left by the groups of a killed run."""
-    return set().union(written_ids(out), *map(written_ids, part_files(out)))
+def resumed_ids(out: Path, prompts: list[Prompt]) -> tuple[set[str], str | None]:
+    """The ids of the prompts already answered in `out` or a killed run's part files, and what is
+    wrong where the prompts changed since: (ids, None) or (set(), a one-line error). Returned, not
+    raised, so that every rank raises it (this runs on the main rank alone)."""
+    try:
+        written: dict[str, tuple[str, list[list[Message]]]] = {}
+        for path in [*part_files(out), out]:
+            written.update(written_turns(path))
+        return answered(prompts, written), None
+    except ValueError as e:
+        return set(), str(e)
+
+
+def answered(prompts: list[Prompt], written: dict[str, tuple[str, list[list[Message]]]]) -> set[str]:
+    """The prompts `written` answers. Resume goes by id, and an id is the record's `file:line` where
+    it has none: a written record whose id now names other turns (a line inserted above it) is
+    refused; a prompt whose file is spelled otherwise (`./p.jsonl`, an absolute path, another
+    folder) is answered by the record of the same file name, line and turns. A record cut short
+    answers a prefix of the turns."""
+    by_place = {_place(key): key for key in written}
+    done = set()
+    for p in prompts:
+        if p.id in written:
+            where, turns = written[p.id]
+            if turns != p.turns[: len(turns)]:
+                raise ValueError(
+                    f"{where}: record {p.id!r} answers other turns than prompt {p.source} holds now: the "
+                    "prompts changed since it was written (an id is the record's file:line where it has "
+                    "none); restore them, or write another regenerate.output"
+                )
+            done.add(p.id)
+        elif p.id == p.source and (key := by_place.get(_place(p.id))):
+            if written[key][1] == p.turns[: len(written[key][1])]:
+                done.add(p.id)
+    return done
+
+
+def _place(source: str) -> str:
+    """`file:line` without the file's folder."""
+    path, _, line = source.rpartition(":")
+    return f"{Path(path).name}:{line}"
 
 
 def merge_parts(out: Path, order: list[Prompt]) -> None:
@@ -105,9 +154,9 @@ def merge_parts(out: Path, order: list[Prompt]) -> None:
     parts = part_files(out)
     if not parts:
         return
-    have, lines = written_ids(out), {}
+    have, lines = set(written_turns(out)), {}
     for part in parts:
-        for line, record in jsonl_records(part, part.read_text(encoding="utf-8")):
+        for _, line, record in jsonl_records(part, part.read_text(encoding="utf-8")):
             key = record["id"]
             if key not in have:
                 lines.setdefault(key, line)
@@ -233,10 +282,12 @@ def _regenerate(rcfg, target_dir, device, dtype, quantization, ranks, capture) -
     if not prompts:
         raise ValueError(f"regenerate.prompts {list(rcfg.prompts)} hold no prompt")
     # every group must deal the same list: one rank reads (and cuts torn lines) before any writes
-    done = ranks.from_main(lambda: all_written_ids(out))
+    done, problem = ranks.from_main(lambda: resumed_ids(out, prompts))
+    if problem:
+        raise ValueError(problem)
     todo = pending(prompts, done, tokenizer, rcfg.max_prompt_tokens, counts)
     if capture:
-        capture.open(tokenizer)  # after `written_ids` has cut a torn last line
+        capture.open(tokenizer)  # after `written_turns` has cut a torn last line
 
     def load(mesh=None):
         return load_target(target_dir, device, dtype, rcfg.compile, quantization, mesh)

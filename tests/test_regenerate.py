@@ -150,6 +150,30 @@ def test_killed_run_resumes_without_duplicates_or_losses(tiny_target, prompts_fi
     assert regenerate(cfg, tiny_target)["written"] == 0
 
 
+def test_resume_follows_a_moved_prompt_file_and_refuses_changed_lines(tiny_target, tmp_path):
+    """Records without an id are known by `file:line`: the same file in another folder (or spelled
+    ./, or absolute) resumes where it stopped; a line inserted above answered ones is refused in one
+    line, rather than taking each answered record for the prompt now on its line."""
+    lines = [json.dumps({"prompt": f"Say {w}."}) + "\n" for w in ("one", "two", "three")]
+    first = tmp_path / "a" / "p.jsonl"
+    first.parent.mkdir()
+    first.write_text("".join(lines))
+    cfg = config(str(first), tmp_path, limit=2)
+    assert regenerate(cfg, tiny_target)["written"] == 2
+    moved = tmp_path / "b" / "p.jsonl"
+    moved.parent.mkdir()
+    moved.write_text("".join(lines))
+    counts = regenerate(replace(cfg, prompts=[str(moved)], limit=None), tiny_target)
+    assert (counts["already_done"], counts["written"]) == (2, 1)
+    assert [r["id"] for r in read(cfg.output)] == [f"{first}:1", f"{first}:2", f"{moved}:3"]
+    moved.write_text(json.dumps({"prompt": "Inserted."}) + "\n" + "".join(lines))
+    with pytest.raises(
+        ValueError, match=rf"^{cfg.output}:3: record '{moved}:3' answers other turns than prompt"
+    ):
+        regenerate(replace(cfg, prompts=[str(moved)], limit=None), tiny_target)
+    assert len(read(cfg.output)) == 3  # nothing written
+
+
 def test_answers_holding_line_separators_resume(tiny_target, tmp_path):
     """U+2028 and NEL stay raw in the output (ensure_ascii=False); resuming must not split there."""
     path = tmp_path / "prompts.jsonl"
