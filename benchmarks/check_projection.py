@@ -78,6 +78,8 @@ def main() -> None:
             "new_tokens": args.new,
             "accept_rate": stats.accept_rate,
             "tau": stats.mean_accepted_len,
+            "iterations": stats.iterations,
+            "host_ms_per_step": stats.host_ms_per_step,  # the device waits for it (#36: ≤ 0.5 ms)
             "target_only_s": base,
             "speculative_s": spec,
             "prefill_s": prefill_s,

@@ -104,6 +104,11 @@ class SpecStats:
     target_s: float = 0.0
     graphed: bool = False
     """Steps ran as CUDA graph replays: draft_s / target_s then cover the prefills only."""
+    iterations: int = 0
+    """Loop iterations: one step of every active row each."""
+    host_s: float = 0.0
+    """The host's work between iterations, from a step's results reaching it to the next step's
+    launch (emit, counts, the active rows' copy back): with graphed steps the device waits for it."""
     fan_outs: tuple[int, ...] = ()
     """SSD cache sizes scored (`SSD.fan_outs`); none when SSD was not asked for."""
     hits: list[int] = field(init=False)
@@ -117,6 +122,11 @@ class SpecStats:
     def hit_rate(self) -> dict[int, float]:
         """fan-out F → the share of verify steps an SSD cache of F tokens per position would have hit."""
         return {f: h / self.steps if self.steps else float("nan") for f, h in zip(self.fan_outs, self.hits)}
+
+    @property
+    def host_ms_per_step(self) -> float:
+        """`host_s` per interval between iterations, in ms (#36's bar: 0.5 ms)."""
+        return 1e3 * self.host_s / (self.iterations - 1) if self.iterations > 1 else float("nan")
 
     @property
     def accept_rate(self) -> list[float]:
@@ -198,12 +208,17 @@ def speculative_generate(
         step = TreeStep(target, draft, target_cache, draft_cache, shape, temperature, generator, clock)
     step.start(last, y, torch.tensor(active, device=device))
     per_prompt = [[0, 0, 0] for _ in prompts]
+    synced = None  # when the last step's results reached the host
     while any(active):
+        if synced is not None:
+            stats.host_s += time.perf_counter() - synced
         kept, n_accepted = step()
         # One copy to the host per step (counts, tokens and SSD hits together): at batch 1 a step
         # is a few milliseconds, and every further synchronization was a visible share of it.
         hits = step.hits if stats.fan_outs else kept[:, :0]
         rows = torch.cat([n_accepted[:, None], hits.long(), kept], 1).tolist()
+        synced = time.perf_counter()  # the step is done: what follows until the next one is host work
+        stats.iterations += 1
         nh = hits.shape[1]
         stats.record([row[0] for row in rows], active, [row[1 : 1 + nh] for row in rows])
         for b in (b for b, live in enumerate(active) if live):
