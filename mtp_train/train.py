@@ -536,7 +536,10 @@ def export_head(t: Training, out: Path, identity: dict, cfg: RunConfig, step: in
         head = acc.unwrap_model(t.objective).head
         params = {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
         training = {"step": step, "config": OmegaConf.to_container(cfg, resolve=True), "data": t.data}
-        save_head(head, out, identity, training, params=params)
+        # The weights as trained: one process keeps fp32 masters (bf16 mixed precision), DeepSpeed
+        # hands over its bf16 model copy. `export.dtype` casts for the engines.
+        dtype = next(p.dtype for p in params.values() if p.is_floating_point())
+        save_head(head, out, identity, training, dtype, params=params)
     acc.wait_for_everyone()
     return out
 
