@@ -17,7 +17,9 @@
 #   5b   the graphed speculative loop against the projection at batches 1 and 8, with the host's
 #        work between steps (`host_ms_per_step`; #36: <= 0.5 ms);
 #   6    FP8 precompute against bf16 (#36: 1.6x; 1.61x with static input scales, once);
-#   7    the GPU tests, the FP8 load's peak memory among them.
+#   7    the GPU tests, the FP8 load's peak memory among them;
+#   8    with TOK=<a tokenizer directory> in the environment: DeepSpeed ZeRO-2's kill-and-resume
+#        check, and that its exported head holds the fp32 masters.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${1:-/root/speed}
@@ -39,5 +41,6 @@ run spec_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --
 run spec_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128
 run fp8 python -m benchmarks.bench_fp8 --shape llama3_8b --tokens 150000
 run gpu_tests python -m pytest -q -m gpu tests/test_gpu.py tests/test_fp8.py
+if [ -n "${TOK:-}" ]; then run deepspeed bash benchmarks/deepspeed_resume_check.sh "$TOK" /root/ds; fi
 echo "== $(date +%T) finished"
 touch "$log.finished"

@@ -524,6 +524,22 @@ def validate_in_job(acc: Accelerator, validator: DuringTraining, head_dir: Path,
     return {**figures, "val/seconds_max": every.max().item(), "val/seconds_min": every.min().item()}
 
 
+def deepspeed_masters(acc: Accelerator, head: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The fp32 master copy of the head's trained parameters under DeepSpeed (its model holds bf16;
+    ZeRO 1-3 keep the fp32 copy sharded in the optimizer), on the CPU, by parameter name; empty
+    without DeepSpeed. A collective: every rank calls it, in the same parameter order."""
+    if acc.state.deepspeed_plugin is None:
+        return {}
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters = {}
+    for name, param in head.named_parameters():
+        full = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if full is not None:  # None: a parameter the optimizer does not hold
+            masters[name] = full.detach().cpu()
+    return masters
+
+
 def export_head(t: Training, out: Path, identity: dict, cfg: RunConfig, step: int) -> Path:
     """Write the head in the native format (gathering ZeRO-3 shards first). Its config records the
     run's config and the data config its samples were made with (`training.data`: validation's
@@ -532,12 +548,14 @@ def export_head(t: Training, out: Path, identity: dict, cfg: RunConfig, step: in
 
     acc = t.acc
     state = acc.get_state_dict(t.objective)
+    masters = deepspeed_masters(acc, acc.unwrap_model(t.objective).head)
     if acc.is_main_process:
         head = acc.unwrap_model(t.objective).head
         params = {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
+        params.update(masters)
         training = {"step": step, "config": OmegaConf.to_container(cfg, resolve=True), "data": t.data}
-        # The weights as trained: one process keeps fp32 masters (bf16 mixed precision), DeepSpeed
-        # hands over its bf16 model copy. `export.dtype` casts for the engines.
+        # The weights as trained: fp32 masters (one process's parameters, DeepSpeed's optimizer
+        # copy), not a bf16 model copy. `export.dtype` casts for the engines.
         dtype = next(p.dtype for p in params.values() if p.is_floating_point())
         save_head(head, out, identity, training, dtype, params=params)
     acc.wait_for_everyone()
