@@ -18,6 +18,7 @@ from benchmarks.common import (
     DEVICE,
     DTYPE,
     hf_copy,
+    kernel_profile,
     linear_flops_per_token,
     lognormal_lengths,
     shape,
@@ -105,40 +106,13 @@ def compiled_run(model, seqs, batches, hidden_size: int, warmup: int) -> dict:
     }
 
 
-KERNEL_KINDS = (  # (kind, substrings of the CUDA kernel name), first match wins
-    ("attention", ("flash", "fmha", "attention")),  # before matmul: its name holds "cutlass"
-    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas")),
-    ("fused elementwise (triton)", ("triton",)),
-    ("copy", ("copy", "memcpy", "memset", "catarray", "concat")),
-)
-
-
 def kernel_breakdown(model, seqs, batch: list[int], hidden_size: int) -> dict:
     """GPU time per kernel kind over one batch (torch.profiler), against the batch's wall-clock:
     what the remaining time goes to."""
-    from torch.profiler import ProfilerActivity, profile
-
     run_ours(model, seqs, [batch], hidden_size)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = run_ours(model, seqs, [batch], hidden_size)
-    kinds: dict[str, float] = {}
-    top = []
-    for event in prof.key_averages():
-        us = event.self_device_time_total
-        if us <= 0 or event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = event.key.lower()
-        kind = next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "other elementwise")
-        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
-        top.append((us / 1e3, event.key[:90], event.count))
-    busy = sum(kinds.values())
-    return {
-        "profiled_batch_tokens": sum(len(seqs[i]) for i in batch),
-        "wall_ms": wall * 1e3,
-        "gpu_busy_ms": busy,
-        "ms_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-        "top_kernels": [{"ms": ms, "name": n, "calls": c} for ms, n, c in sorted(top, reverse=True)[:15]],
-    }
+    wall = []
+    profiled = kernel_profile(lambda: wall.append(run_ours(model, seqs, [batch], hidden_size)))
+    return {"profiled_batch_tokens": sum(len(seqs[i]) for i in batch), "wall_ms": wall[0] * 1e3, **profiled}
 
 
 @torch.inference_mode()

@@ -28,6 +28,7 @@ from benchmarks.common import (
     DTYPE,
     decode_read_bytes,
     inductor_autotune,
+    kernel_profile,
     peak_bandwidth,
     shape,
     strict_compile,
@@ -41,8 +42,8 @@ NEW_TOKENS = (1, 2, 3, 4, 5, 6, 8, 16, 32, 64)
 CONTEXT = 1024  # committed tokens per row before the verify: a mid-conversation cache
 
 
-def graphed(fn, repeats: int = 20) -> float:
-    """Milliseconds per replay of `fn` captured as a CUDA graph (after two eager warm-ups)."""
+def captured(fn) -> torch.cuda.CUDAGraph:
+    """`fn` captured as a CUDA graph (after two eager warm-ups on a side stream) and replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -53,6 +54,12 @@ def graphed(fn, repeats: int = 20) -> float:
     with torch.cuda.graph(graph):
         fn()
     graph.replay()
+    return graph
+
+
+def graphed(fn, repeats: int = 20) -> float:
+    """Milliseconds per replay of `fn` captured as a CUDA graph."""
+    graph = captured(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):
@@ -105,6 +112,42 @@ def draft_costs(cfg, batches) -> dict[str, float]:
     return out
 
 
+@torch.inference_mode()
+def decode_profiles(model, batches, device_name: str, repeats: int = 10) -> dict:
+    """Where a replayed decode step's time goes, per batch: GPU ms per step by kernel kind, the
+    step's wall ms, and the matmuls' own read rate over the linear weights they stream (#36's 75 %
+    at batch 1: is the step's excess over the weight-read limit inside the GEMVs or between them?)."""
+    weights = sum(
+        m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )
+    bandwidth = peak_bandwidth(device_name)
+    out = {}
+    for b in batches:
+        cache = model.new_cache(b, CONTEXT + 2)
+        cache.lengths.fill_(CONTEXT)
+        ids = torch.randint(0, model.cfg.vocab_size, (b, 1), device=DEVICE)
+        graph = captured(
+            lambda ids=ids, cache=cache: model.logits(model.forward_cached(ids, cache, static=True))
+        )
+        profiled = kernel_profile(lambda graph=graph: [graph.replay() for _ in range(repeats)])
+        by_kind = {kind: ms / repeats for kind, ms in profiled["ms_by_kind"].items()}
+        matmul_s = by_kind.get("matmul", 0.0) / 1e3
+        read_rate = weights / matmul_s if matmul_s else None
+        out[str(b)] = {
+            "step_ms": graphed(lambda graph=graph: graph.replay(), 20),
+            "gpu_busy_ms": profiled["gpu_busy_ms"] / repeats,
+            "ms_by_kind": by_kind,
+            "linear_weight_bytes": weights,
+            "matmul_read_bytes_per_s": read_rate,
+            "matmul_share_of_peak": read_rate / bandwidth if read_rate and bandwidth else None,
+            "kernels_per_step": profiled["kernel_calls"] / repeats,
+            "top_kernels": profiled["top_kernels"],
+        }
+        del graph, cache
+        torch.cuda.empty_cache()
+    return out
+
+
 def decode_read_limits(cfg, verify: dict, device_name: str) -> dict | None:
     """Per batch, the bytes a decode step must read (`common.decode_read_bytes`), the ms that takes
     at the device's peak bandwidth, and the measured decode step's share of that peak (#36: 75 % at
@@ -145,22 +188,31 @@ def main() -> None:
         help="with --compiled-layers: Inductor's GEMM and coordinate-descent autotuning "
         "(benchmarks.common.inductor_autotune); written to verify_cost_<shape>[_<kernel>]_compiled_autotuned.json",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile each batch's replayed decode step by kernel kind (`decode_profile` in the JSON)",
+    )
     args = p.parse_args()
     if args.autotune and not args.compiled_layers:
         p.error("--autotune tunes the compiled layers: add --compiled-layers")
+    if args.profile and args.layers:
+        p.error("--profile profiles the full depth: drop --layers")
     strict_compile()
     if args.autotune:
         inductor_autotune()
     use_cached_kernel(args.cached_kernel)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
-    measured = {}
+    measured, profiles = {}, None
     for depth in depths:
         part = type(cfg)(**{**cfg.__dict__, "num_hidden_layers": depth})
         model = TARGET_KINDS[cfg.model_type].random(part, DEVICE, DTYPE, 0)
         if args.compiled_layers:
             model.compile_layers()
         measured[depth] = verify_costs(model, args.batches, NEW_TOKENS)
+        if args.profile:
+            profiles = decode_profiles(model, args.batches, torch.cuda.get_device_name())
         ran_compiled = model.runs_compiled("cached")  # false too where the compile fell back to eager
         del model
         torch.cuda.empty_cache()
@@ -200,6 +252,7 @@ def main() -> None:
             "draft_step_ms": draft_costs(cfg, args.batches),
             "peak_bandwidth_bytes_per_s": peak_bandwidth(device_name),
             "decode_read": decode_read_limits(cfg, verify, device_name),
+            "decode_profile": profiles,
         },
     )
 

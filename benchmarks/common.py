@@ -248,6 +248,42 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+KERNEL_KINDS = (  # (kind, substrings of the CUDA kernel name), first match wins
+    ("attention", ("flash", "fmha", "attention")),  # before matmul: its name holds "cutlass"
+    ("matmul", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "cublas")),
+    ("fused elementwise (triton)", ("triton",)),
+    ("copy", ("copy", "memcpy", "memset", "catarray", "concat")),
+)
+
+
+def kernel_profile(fn, top: int = 15) -> dict:
+    """GPU time per kernel kind while fn() runs (torch.profiler; kernels replayed from a CUDA graph
+    are traced one by one too), the busy total, and the `top` kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    kinds: dict[str, float] = {}
+    kernels = []
+    for event in prof.key_averages():
+        us = event.self_device_time_total
+        if us <= 0 or event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "other elementwise")
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
+        kernels.append((us / 1e3, event.key[:90], event.count))
+    return {
+        "gpu_busy_ms": sum(kinds.values()),
+        "kernel_calls": sum(calls for _, _, calls in kernels),
+        "ms_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [
+            {"ms": ms, "name": n, "calls": c} for ms, n, c in sorted(kernels, reverse=True)[:top]
+        ],
+    }
+
+
 def inductor_autotune() -> None:
     """Inductor's GEMM autotuning (its Triton templates timed against cuBLAS for each static shape,
     e.g. a batch-1 decode's M = 1) and coordinate-descent tuning of the kernels it generates, as
