@@ -5,6 +5,8 @@
 # JSONs under benchmarks/results/ would overwrite what a finished benchmark wrote there):
 #   mkdir -p /root/repo && tar cf - --exclude=.devcache . | tar xf - -C /root/repo
 #   cd /root/repo && setsid nohup bash benchmarks/speed_run.sh /root/speed > /root/speed.log 2>&1 < /dev/null &
+# with the wheels the image lacks carried along (`carry: [".whl"]`, ../shared/gpu/wheels.sh: hydra,
+# deepspeed; without them check_projection and the DeepSpeed check fail on import),
 # then poll from back-to-back calls (the machine goes back 30 s after a call ends, with the run):
 #   bash /root/repo/benchmarks/speed_poll.sh 540
 # Each finished benchmark's JSON is copied into $log/results/ at once, so that whatever finished
@@ -14,6 +16,7 @@
 #   4    the 70B shape, 8 and 16 layers extrapolated, batches 1 and 8 (#36's bar is batches 1-8);
 #   5    Inductor's GEMM and coordinate-descent autotuning, batches 1 and 8: decode at batch 1 against
 #        the weight-read limit (#36: 75 %, now 64 % of the bytes a step reads);
+#   5a   the decode step at batches 1 and 8 profiled by kernel kind (--profile);
 #   5b   the graphed speculative loop against the projection at batches 1 and 8, with the host's
 #        work between steps (`host_ms_per_step`; #36: <= 0.5 ms);
 #   6    FP8 precompute against bf16 (#36: 1.6x; 1.61x with static input scales, once);
@@ -24,6 +27,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${1:-/root/speed}
 mkdir -p "$log/results"
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+fi
 touch "$log/started"
 run() {
     local name=$1; shift
@@ -37,6 +44,7 @@ run flex $v --shape llama3_8b --cached-kernel flex --compiled-layers
 run sdpa $v --shape llama3_8b --compiled-layers
 run mixed_70b $v --shape llama3_70b --layers 8 16 --batches 1 8 --cached-kernel mixed --compiled-layers
 run autotune $v --shape llama3_8b --compiled-layers --autotune --batches 1 8
+run profile $v --shape llama3_8b --compiled-layers --batches 1 8 --profile
 run spec_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128
 run spec_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128
 run fp8 python -m benchmarks.bench_fp8 --shape llama3_8b --tokens 150000
