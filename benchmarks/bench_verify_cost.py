@@ -191,7 +191,8 @@ def main() -> None:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="also profile each batch's replayed decode step by kernel kind (`decode_profile` in the JSON)",
+        help="also profile each batch's replayed decode step by kernel kind (`decode_profile` in the JSON); "
+        "written to verify_cost_<shape>[...]_profiled.json",
     )
     args = p.parse_args()
     if args.autotune and not args.compiled_layers:
@@ -233,6 +234,7 @@ def main() -> None:
         ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}")
         + ("_compiled" if args.compiled_layers else "")
         + ("_autotuned" if args.autotune else "")
+        + ("_profiled" if args.profile else "")  # its own file: a profiled run times fewer batches
     )
     write_result(
         f"verify_cost_{args.shape}{suffix}",
