@@ -59,7 +59,11 @@ def captured(fn) -> torch.cuda.CUDAGraph:
 
 def graphed(fn, repeats: int = 20) -> float:
     """Milliseconds per replay of `fn` captured as a CUDA graph."""
-    graph = captured(fn)
+    return replay_ms(captured(fn), repeats)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> float:
+    """Milliseconds per replay of a captured graph."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):
@@ -134,7 +138,7 @@ def decode_profiles(model, batches, device_name: str, repeats: int = 10) -> dict
         matmul_s = by_kind.get("matmul", 0.0) / 1e3
         read_rate = weights / matmul_s if matmul_s else None
         out[str(b)] = {
-            "step_ms": graphed(lambda graph=graph: graph.replay(), 20),
+            "step_ms": replay_ms(graph),
             "gpu_busy_ms": profiled["gpu_busy_ms"] / repeats,
             "ms_by_kind": by_kind,
             "linear_weight_bytes": weights,
