@@ -150,7 +150,9 @@ def main() -> None:
         print(row, flush=True)
         rows.append(row)
     write_result(
-        f"decode_{args.shape}",
+        # a run at other batches than the default's keeps its own file beside the default run's
+        f"decode_{args.shape}"
+        + ("" if args.batch == p.get_default("batch") else "_b" + "_".join(map(str, args.batch))),
         {"command": "python -m benchmarks.bench_decode " + " ".join(sys.argv[1:]), "rows": rows},
     )
 

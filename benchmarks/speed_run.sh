@@ -11,18 +11,22 @@
 #   bash /root/repo/benchmarks/speed_poll.sh 540
 # Each finished benchmark's JSON is copied into $log/results/ at once, so that whatever finished
 # comes back in the next poll.
+# First what #36 still needs (after the 2026-12-05 run), so that a short device budget gets it:
+#   a    the decode step at batches 1 and 8 profiled by kernel kind (--profile: decode at batch 1
+#        reads at 65.5 % of the weight-read limit, #36 asks 75 %);
+#   b    target-only decoding at batches 1 and 8 with its phase split (the projection check found
+#        its steps slower than the replayed step, 10.7 against 6.6 ms at batch 1);
+#   c    with TOK=<a tokenizer directory> in the environment: DeepSpeed ZeRO-2's kill-and-resume
+#        check, and that its exported head holds the fp32 masters.
+# Then the full rerun:
 #   1-3  whole verify steps at the 8B shape, compiled layers: the default (mixed: SDPA decodes,
 #        flex verifies), flex and SDPA alone, one after another on the same machine;
 #   4    the 70B shape, 8 and 16 layers extrapolated, batches 1 and 8 (#36's bar is batches 1-8);
-#   5    Inductor's GEMM and coordinate-descent autotuning, batches 1 and 8: decode at batch 1 against
-#        the weight-read limit (#36: 75 %, now 64 % of the bytes a step reads);
-#   5a   the decode step at batches 1 and 8 profiled by kernel kind (--profile);
-#   5b   the graphed speculative loop against the projection at batches 1 and 8, with the host's
+#   5    Inductor's GEMM and coordinate-descent autotuning, batches 1 and 8;
+#   6    the graphed speculative loop against the projection at batches 1 and 8, with the host's
 #        work between steps (`host_ms_per_step`; #36: <= 0.5 ms);
-#   6    FP8 precompute against bf16 (#36: 1.6x; 1.61x with static input scales, once);
-#   7    the GPU tests, the FP8 load's peak memory among them;
-#   8    with TOK=<a tokenizer directory> in the environment: DeepSpeed ZeRO-2's kill-and-resume
-#        check, and that its exported head holds the fp32 masters.
+#   7    FP8 precompute against bf16 (#36: 1.6x);
+#   8    the GPU tests, the FP8 load's peak memory among them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${1:-/root/speed}
@@ -39,16 +43,18 @@ run() {
     find benchmarks/results -name '*.json' -newer "$log/started" -exec cp {} "$log/results/" \;
 }
 v="python -m benchmarks.bench_verify_cost"
+# what #36 still needs first (2026-12-05), then the full rerun
+run profile $v --shape llama3_8b --compiled-layers --batches 1 8 --profile
+run decode_small python -m benchmarks.bench_decode --shape llama3_8b --batch 1 8 --new 128 --variants graph graph_compiled --no-hf
+if [ -n "${TOK:-}" ]; then run deepspeed bash benchmarks/deepspeed_resume_check.sh "$TOK" /root/ds; fi
 run mixed $v --shape llama3_8b --cached-kernel mixed --compiled-layers
 run flex $v --shape llama3_8b --cached-kernel flex --compiled-layers
 run sdpa $v --shape llama3_8b --compiled-layers
 run mixed_70b $v --shape llama3_70b --layers 8 16 --batches 1 8 --cached-kernel mixed --compiled-layers
 run autotune $v --shape llama3_8b --compiled-layers --autotune --batches 1 8
-run profile $v --shape llama3_8b --compiled-layers --batches 1 8 --profile
 run spec_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128
 run spec_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128
 run fp8 python -m benchmarks.bench_fp8 --shape llama3_8b --tokens 150000
 run gpu_tests python -m pytest -q -m gpu tests/test_gpu.py tests/test_fp8.py
-if [ -n "${TOK:-}" ]; then run deepspeed bash benchmarks/deepspeed_resume_check.sh "$TOK" /root/ds; fi
 echo "== $(date +%T) finished"
 touch "$log.finished"
