@@ -548,15 +548,15 @@ def export_head(t: Training, out: Path, identity: dict, cfg: RunConfig, step: in
 
     acc = t.acc
     state = acc.get_state_dict(t.objective)
-    masters = deepspeed_masters(acc, acc.unwrap_model(t.objective).head)
+    head = acc.unwrap_model(t.objective).head
+    masters = deepspeed_masters(acc, head)
     if acc.is_main_process:
-        head = acc.unwrap_model(t.objective).head
         params = {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
         params.update(masters)
         training = {"step": step, "config": OmegaConf.to_container(cfg, resolve=True), "data": t.data}
         # The weights as trained: fp32 masters (one process's parameters, DeepSpeed's optimizer
         # copy), not a bf16 model copy. `export.dtype` casts for the engines.
-        dtype = next(p.dtype for p in params.values() if p.is_floating_point())
+        dtype = next(iter(masters.values())).dtype if masters else next(head.parameters()).dtype
         save_head(head, out, identity, training, dtype, params=params)
     acc.wait_for_everyone()
     return out
