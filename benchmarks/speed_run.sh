@@ -14,6 +14,8 @@
 # First what #36 still needs (after the 2026-12-05 run), so that a short device budget gets it:
 #   a    the decode step at batches 1 and 8 profiled by kernel kind (--profile: decode at batch 1
 #        reads at 65.5 % of the weight-read limit, #36 asks 75 %);
+#   g    the step's matmuls alone, cuBLAS against Inductor's reduction kernel (bench_gemv: can
+#        the layers' maps reach 75 % at all?);
 #   b    target-only decoding at batches 1 and 8 with its phase split (the projection check found
 #        its steps slower than the replayed step, 10.7 against 6.6 ms at batch 1);
 #   c    with TOK=<a tokenizer directory> in the environment: DeepSpeed ZeRO-2's kill-and-resume
@@ -45,6 +47,7 @@ run() {
 v="python -m benchmarks.bench_verify_cost"
 # what #36 still needs first (2026-12-05), then the full rerun
 run profile $v --shape llama3_8b --compiled-layers --batches 1 8 --profile
+run gemv python -m benchmarks.bench_gemv --shape llama3_8b
 run decode_small python -m benchmarks.bench_decode --shape llama3_8b --batch 1 8 --new 128 --variants graph graph_compiled --no-hf
 if [ -n "${TOK:-}" ]; then run deepspeed bash benchmarks/deepspeed_resume_check.sh "$TOK" /root/ds; fi
 run mixed $v --shape llama3_8b --cached-kernel mixed --compiled-layers
