@@ -1,8 +1,9 @@
 """The read rate of a decode step's matmuls on their own (#36: a decode step at batch 1 reads at 65.5 %
-of the weight-read limit, 75 % asked): each linear map of a target layer and the lm_head, at batch 1
-and 8, as cuBLAS runs it (`F.linear`, what the layers call) and as Inductor's own reduction kernel
-(the product summed along K, compiled for the static shape with coordinate-descent tuning, the GEMV
-gpt-fast's decoding gets). If the layers' maps alone stay under 75 % with both, the step cannot reach
+of the weight-read limit, 75 % asked): each linear map of a target layer and the lm_head, at 1 to 64
+rows, as cuBLAS runs it (`F.linear`, what the layers call) and, up to 8 rows, as Inductor's own
+reduction kernel (the product summed along K, compiled for the static shape with coordinate-descent
+tuning, the GEMV gpt-fast's decoding gets). 32 and 40 rows are a verify of 4 and 5 tokens at batch 8
+(#36: 5–8 tokens cost 1.14× a decode step there, 2–4 tokens 1.07–1.10×). If the layers' maps alone stay under 75 % with both, the step cannot reach
 it by fusing what lies between them.
 
     python -m benchmarks.bench_gemv --shape llama3_8b
@@ -24,6 +25,7 @@ from benchmarks.bench_verify_cost import captured, replay_ms
 from benchmarks.common import DEVICE, DTYPE, peak_bandwidth, shape, write_result
 
 ROTATION_BYTES = 512 * 2**20
+GEMV_ROWS = 8  # the reduction kernel reads each weight once per row: timed up to this many rows
 
 
 def linear_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -56,7 +58,7 @@ def measure(cfg, batches: list[int], bandwidth: float | None) -> dict:
     import torch._inductor.config as inductor
 
     inductor.coordinate_descent_tuning = True
-    kernels = {"cublas": F.linear, "inductor_reduction": torch.compile(reduction_gemv, dynamic=False)}
+    reduction = torch.compile(reduction_gemv, dynamic=False)
     out = {}
     for name, (n, k) in linear_shapes(cfg).items():
         nbytes = n * k * DTYPE.itemsize
@@ -66,6 +68,7 @@ def measure(cfg, batches: list[int], bandwidth: float | None) -> dict:
         for b in batches:
             x = torch.randn(b, k, device=DEVICE, dtype=DTYPE)
             row = {}
+            kernels = {"cublas": F.linear} | ({"inductor_reduction": reduction} if b <= GEMV_ROWS else {})
             for kernel_name, kernel in kernels.items():
                 ms = call_ms(kernel, weights, x)
                 rate = nbytes / (ms / 1e3)
@@ -88,7 +91,7 @@ def step_floor(cfg, per_map: dict, batches: list[int], bandwidth: float | None) 
     out = {}
     for b in batches:
         out[str(b)] = {}
-        for kernel_name in ("cublas", "inductor_reduction"):
+        for kernel_name in per_map["lm_head"][str(b)]:
             ms = sum(counts[m] * per_map[m][str(b)][kernel_name]["ms"] for m in per_map)
             nbytes = sum(counts[m] * per_map[m]["weight_bytes"] for m in per_map)
             out[str(b)][kernel_name] = {
@@ -101,7 +104,13 @@ def step_floor(cfg, per_map: dict, batches: list[int], bandwidth: float | None) 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="llama3_8b")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        default=[1, 8, 32, 40, 64],
+        help="rows per call (batch × new tokens: 40 is a verify of 5 tokens at batch 8)",
+    )
     args = p.parse_args()
     cfg = shape(args.shape)
     bandwidth = peak_bandwidth(torch.cuda.get_device_name())

@@ -116,38 +116,45 @@ def draft_costs(cfg, batches) -> dict[str, float]:
     return out
 
 
+PROFILED_NEW_TOKENS = (1, 8)  # a decode step, and the verify of 8 tokens #36 holds against it
+
+
 @torch.inference_mode()
 def decode_profiles(model, batches, device_name: str, repeats: int = 10) -> dict:
-    """Where a replayed decode step's time goes, per batch: GPU ms per step by kernel kind, the
-    step's wall ms, and the matmuls' own read rate over the linear weights they stream (#36's 75 %
-    at batch 1: is the step's excess over the weight-read limit inside the GEMVs or between them?)."""
+    """Where a replayed decode or verify step's time goes, per batch and new tokens per row
+    (`PROFILED_NEW_TOKENS`): GPU ms per step by kernel kind, the step's wall ms, and the matmuls' own
+    read rate over the linear weights they stream (#36's 75 % at batch 1: is the step's excess over
+    the weight-read limit inside the GEMVs or between them? and its 1.1× verify: which kind grows?)."""
     weights = sum(
         m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear)
     )
     bandwidth = peak_bandwidth(device_name)
     out = {}
     for b in batches:
-        cache = model.new_cache(b, CONTEXT + 2)
+        cache = model.new_cache(b, CONTEXT + max(PROFILED_NEW_TOKENS) + 1)
         cache.lengths.fill_(CONTEXT)
-        ids = torch.randint(0, model.cfg.vocab_size, (b, 1), device=DEVICE)
-        graph = captured(
-            lambda ids=ids, cache=cache: model.logits(model.forward_cached(ids, cache, static=True))
-        )
-        profiled = kernel_profile(lambda graph=graph: [graph.replay() for _ in range(repeats)])
-        by_kind = {kind: ms / repeats for kind, ms in profiled["ms_by_kind"].items()}
-        matmul_s = by_kind.get("matmul", 0.0) / 1e3
-        read_rate = weights / matmul_s if matmul_s else None
-        out[str(b)] = {
-            "step_ms": replay_ms(graph),
-            "gpu_busy_ms": profiled["gpu_busy_ms"] / repeats,
-            "ms_by_kind": by_kind,
-            "linear_weight_bytes": weights,
-            "matmul_read_bytes_per_s": read_rate,
-            "matmul_share_of_peak": read_rate / bandwidth if read_rate and bandwidth else None,
-            "kernels_per_step": profiled["kernel_calls"] / repeats,
-            "top_kernels": profiled["top_kernels"],
-        }
-        del graph, cache
+        out[str(b)] = {}
+        for n in PROFILED_NEW_TOKENS:
+            ids = torch.randint(0, model.cfg.vocab_size, (b, n), device=DEVICE)
+            graph = captured(
+                lambda ids=ids, cache=cache: model.logits(model.forward_cached(ids, cache, static=True))
+            )
+            profiled = kernel_profile(lambda graph=graph: [graph.replay() for _ in range(repeats)])
+            by_kind = {kind: ms / repeats for kind, ms in profiled["ms_by_kind"].items()}
+            matmul_s = by_kind.get("matmul", 0.0) / 1e3
+            read_rate = weights / matmul_s if matmul_s else None
+            out[str(b)][str(n)] = {
+                "step_ms": replay_ms(graph),
+                "gpu_busy_ms": profiled["gpu_busy_ms"] / repeats,
+                "ms_by_kind": by_kind,
+                "linear_weight_bytes": weights,
+                "matmul_read_bytes_per_s": read_rate,
+                "matmul_share_of_peak": read_rate / bandwidth if read_rate and bandwidth else None,
+                "kernels_per_step": profiled["kernel_calls"] / repeats,
+                "top_kernels": profiled["top_kernels"],
+            }
+            del graph
+        del cache
         torch.cuda.empty_cache()
     return out
 
@@ -195,7 +202,8 @@ def main() -> None:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="also profile each batch's replayed decode step by kernel kind (`decode_profile` in the JSON); "
+        help="also profile each batch's replayed decode step and 8-token verify by kernel kind "
+        "(`decode_profile` in the JSON, by batch, then new tokens); "
         "written to verify_cost_<shape>[...]_profiled.json",
     )
     args = p.parse_args()
