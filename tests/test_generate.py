@@ -121,3 +121,23 @@ def test_sample_at_temperature_zero_is_argmax():
     assert torch.equal(sample(logits, 0.0, None), logits.argmax(-1))
     drawn = sample(logits, 0.5, torch.Generator().manual_seed(0))
     assert drawn.shape == (3, 4) and drawn.dtype == torch.long
+
+
+def test_decoding_ahead_equals_the_synchronous_loop(smollm2):
+    """The host a step behind (`decode_ahead`, the loop without `stop_repeat` or `compact`) gives the
+    synchronous loop's tokens, commits and kept states, rows stopping at an EOS and at the limit
+    (real text: the tiny model repeats one token)."""
+    from inference_ref.generate import States
+
+    model = load_llama(smollm2)
+    prompts = chat_prompts(smollm2)
+    eos = stops_early(generate(model, prompts, 10, []), 2)
+    never = 10**6  # a stop_repeat that never fires: the synchronous loop
+    ahead, synchronous = States(capture=(1,), room=3), States(capture=(1,), room=3)
+    out = generate(model, prompts, 10, eos, states=ahead)
+    assert out == generate(model, prompts, 10, eos, states=synchronous, stop_repeat=never)
+    assert {len(o) for o in out} - {10} and any(len(o) == 10 for o in out)
+    assert torch.equal(ahead.cache.lengths, synchronous.cache.lengths)
+    for b, o in enumerate(out):
+        fed = len(prompts[b]) + len(o) - 1
+        assert torch.equal(ahead.row(b, fed), synchronous.row(b, fed))
