@@ -34,7 +34,6 @@ from benchmarks.common import (
     strict_compile,
     write_result,
 )
-from inference_ref import causal_lm
 from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
 from inference_ref.models import TARGET_KINDS
 
@@ -201,12 +200,6 @@ def main() -> None:
         "(benchmarks.common.inductor_autotune); written to verify_cost_<shape>[_<kernel>]_compiled_autotuned.json",
     )
     p.add_argument(
-        "--cublas-gemv",
-        action="store_true",
-        help="one-row matmuls through cuBLAS instead of Inductor's reduction (causal_lm.ROW_GEMV off: "
-        "the baseline of batch 1's decode); written to verify_cost_<shape>[...]_cublas_gemv.json",
-    )
-    p.add_argument(
         "--profile",
         action="store_true",
         help="also profile each batch's replayed decode step and 8-token verify by kernel kind "
@@ -222,7 +215,6 @@ def main() -> None:
     if args.autotune:
         inductor_autotune()
     use_cached_kernel(args.cached_kernel)
-    causal_lm.ROW_GEMV = not args.cublas_gemv
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
     measured, profiles = {}, None
@@ -254,7 +246,6 @@ def main() -> None:
         ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}")
         + ("_compiled" if args.compiled_layers else "")
         + ("_autotuned" if args.autotune else "")
-        + ("_cublas_gemv" if args.cublas_gemv else "")
         + ("_profiled" if args.profile else "")  # its own file: a profiled run times fewer batches
     )
     write_result(
@@ -265,7 +256,6 @@ def main() -> None:
             "cached_kernel": args.cached_kernel,
             "compiled_layers": args.compiled_layers,
             "autotune": args.autotune,
-            "row_gemv": "cublas" if args.cublas_gemv else "inductor reduction",
             "compiled_layers_ran": ran_compiled,
             "context_tokens": CONTEXT,
             "measured_layers": depths,

@@ -43,33 +43,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-ROW_GEMV = True
-"""Whether `linear` runs a one-row matmul in compiled CUDA layers as Inductor's reduction (benchmarks
-turn it off to time cuBLAS in the same run)."""
-
-
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x); for one row (a decode step at batch 1) inside compiled layers on CUDA, the product
-    summed along the input features, which Inductor writes as one reduction kernel. cuBLAS's kernels
-    for one row read a layer's weights at 61–85 % of the H100's bandwidth, Inductor's at 75–88 %
-    (`benchmarks/bench_gemv`, 2026-12-05): 12 µs less per Llama-3.1-8B layer. From two rows on the
-    reduction reads the weight once per row and cuBLAS is far faster. Plain `nn.Linear`s only: a
-    tensor-parallel layer's weight is a DTensor behind the module's hooks, an FP8 layer is no
-    `nn.Linear`."""
-    rows = x.numel() // x.shape[-1]
-    if (
-        ROW_GEMV
-        and rows == 1
-        and x.is_cuda
-        and torch.compiler.is_compiling()
-        and type(layer) is nn.Linear
-        and layer.bias is None
-        and type(layer.weight) in (nn.Parameter, torch.Tensor)
-    ):
-        return (x[..., None, :] * layer.weight).sum(-1)
-    return layer(x)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

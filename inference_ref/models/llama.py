@@ -24,7 +24,6 @@ from inference_ref.causal_lm import (
     RMSNorm,
     config_fingerprint,
     eos_token_ids,
-    linear,
 )
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, init_random, read_tensors, safetensors_files
 
@@ -192,7 +191,7 @@ class Attention(nn.Module):
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [.., heads, d], k and v [.., kv_heads, d] before rotary (a kind may normalize them here)."""
-        q, k, v = linear(self.qkv_proj, x).split(
+        q, k, v = self.qkv_proj(x).split(
             [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], -1
         )
         q = q.unflatten(-1, (self.n_heads, self.head_dim))
@@ -216,7 +215,7 @@ class Attention(nn.Module):
         v_cache[rows, slots] = v.to(v_cache.dtype)
         key_len = mask.shape[-1]
         o = cached_attention(q, k_cache[:, :key_len], v_cache[:, :key_len], mask)
-        return linear(self.o_proj, o.flatten(-2))
+        return self.o_proj(o.flatten(-2))
 
 
 class MLP(nn.Module):
@@ -226,8 +225,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)
-        return linear(self.down_proj, F.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
