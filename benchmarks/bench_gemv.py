@@ -3,8 +3,8 @@ of the weight-read limit, 75 % asked): each linear map of a target layer and the
 rows, as cuBLAS runs it (`F.linear`, what the layers call) and, up to 8 rows, as Inductor's own
 reduction kernel (the product summed along K, compiled for the static shape with coordinate-descent
 tuning, the GEMV gpt-fast's decoding gets). 32 and 40 rows are a verify of 4 and 5 tokens at batch 8
-(#36: 5–8 tokens cost 1.14× a decode step there, 2–4 tokens 1.07–1.10×). If the layers' maps alone stay under 75 % with both, the step cannot reach
-it by fusing what lies between them.
+(#36: 5–8 tokens cost 1.14× a decode step there, 2–4 tokens 1.07–1.10×). If the layers' maps
+alone stay under 75 % with both, the step cannot reach it by fusing what lies between them.
 
     python -m benchmarks.bench_gemv --shape llama3_8b
 

@@ -166,11 +166,11 @@ def generate(
     outputs: list[list[int]] = [[] for _ in prompts]
     active = [True] * len(prompts)
     rows = list(range(len(prompts)))  # the prompt each cache row answers
-    decode = DecodeStep(model, cache, capture=capture)  # a CUDA graph on GPU, the eager step elsewhere
+    # a CUDA graph on GPU, the eager step elsewhere
+    step = Step(DecodeStep(model, cache, capture=capture), cache, temperature, generator, states)
     if states:
         states.start(model, cache, hidden)
     if not (loops or compact):  # stops the device can decide itself: the host runs a step behind
-        step = Step(decode, cache, temperature, generator, states)
         return decode_ahead(step, token, outputs, eos, max_new_tokens)
     while True:
         for b, t in zip(rows, token.tolist()):
@@ -183,16 +183,12 @@ def generate(
             return outputs
         if compact and len(live) <= len(rows) // 2:
             index = torch.tensor(live, device=token.device)
-            del decode  # its captured graph and buffers, before the next one is captured
+            del step  # its captured graph and buffers, before the next one is captured
             cache, token, rows = cache.rows(index), token[index], [rows[j] for j in live]
-            decode = DecodeStep(model, cache, capture=capture)
+            step = Step(DecodeStep(model, cache, capture=capture), cache, temperature, generator, states)
         # Every row steps (one batched forward); only active rows commit, so a finished row keeps
         # rewriting the same scratch slot and never grows past the cache.
-        logits = decode(token[:, None])
-        if states:
-            states.steps.append(decode.hidden[:, -1].clone())  # a graph's buffer is refilled next step
-        cache.lengths += torch.tensor([active[b] for b in rows], device=token.device)
-        token = sample(logits, temperature, generator)
+        token = step(token, torch.tensor([active[b] for b in rows], device=token.device))
 
 
 @dataclass
@@ -209,8 +205,8 @@ class Step:
     def __call__(self, token: torch.Tensor, commit: torch.Tensor) -> torch.Tensor:
         """Feed token [B], commit it in the rows `commit` [B] marks, return the next token [B]."""
         logits = self.decode(token[:, None])
-        if self.states:
-            self.states.steps.append(self.decode.hidden[:, -1].clone())  # refilled next step
+        if self.states:  # a copy: a graph's buffer is refilled next step
+            self.states.steps.append(self.decode.hidden[:, -1].clone())
         self.cache.lengths += commit
         return sample(logits, self.temperature, self.generator)
 
