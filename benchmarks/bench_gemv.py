@@ -2,7 +2,8 @@
 of the weight-read limit, 75 % asked): each linear map of a target layer and the lm_head, at 1 to 64
 rows, as cuBLAS runs it (`F.linear`, what the layers call) and, up to 8 rows, as Inductor's own
 reduction kernel (the product summed along K, compiled for the static shape with coordinate-descent
-tuning, the GEMV gpt-fast's decoding gets). 32 and 40 rows are a verify of 4 and 5 tokens at batch 8
+tuning, the GEMV gpt-fast's decoding gets) and, up to 64 rows, as the project's own Triton kernel
+(`inference_ref.skinny_linear`: no split-K, each weight read once for every row). 32 and 40 rows are a verify of 4 and 5 tokens at batch 8
 (#36: 5–8 tokens cost 1.14× a decode step there, 2–4 tokens 1.07–1.10×). If the layers' maps
 alone stay under 75 % with both, the step cannot reach it by fusing what lies between them.
 
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 
 from benchmarks.bench_verify_cost import captured, replay_ms
 from benchmarks.common import DEVICE, DTYPE, peak_bandwidth, shape, write_result
+from inference_ref import skinny_linear as skinny
+from inference_ref.skinny_linear import skinny_linear
 
 ROTATION_BYTES = 512 * 2**20
 GEMV_ROWS = 8  # the reduction kernel reads each weight once per row: timed up to this many rows
@@ -69,6 +72,7 @@ def measure(cfg, batches: list[int], bandwidth: float | None) -> dict:
             x = torch.randn(b, k, device=DEVICE, dtype=DTYPE)
             row = {}
             kernels = {"cublas": F.linear} | ({"inductor_reduction": reduction} if b <= GEMV_ROWS else {})
+            kernels |= {"skinny": skinny_linear} if b <= skinny.MAX_ROWS else {}
             for kernel_name, kernel in kernels.items():
                 ms = call_ms(kernel, weights, x)
                 rate = nbytes / (ms / 1e3)

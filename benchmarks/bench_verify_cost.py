@@ -10,6 +10,8 @@ with a head's measured acceptance into projected speed-ups (`mtp_train.projectio
     python -m benchmarks.bench_verify_cost --shape llama3_8b --cached-kernel mixed --compiled-layers
                                         # SDPA decodes, flex verifies: the default of compiled layers
     python -m benchmarks.bench_verify_cost --shape llama3_8b --compiled-layers --autotune --batches 1 8
+    python -m benchmarks.bench_verify_cost --shape llama3_8b --compiled-layers --cached-kernel split \
+        --linear-kernel skinny       # the Triton kernels: split-key attention, the skinny linear map
 
 A shape too large for one GPU is measured with fewer layers, twice (`--layers A B`), and the full
 depth extrapolated linearly: cost(L) = cost(A) + (L − A) · (cost(B) − cost(A)) / (B − A); the
@@ -36,6 +38,7 @@ from benchmarks.common import (
 )
 from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
 from inference_ref.models import TARGET_KINDS
+from inference_ref.skinny_linear import LINEAR_KERNELS, tuned_configs, use_linear_kernel
 
 BATCHES = (1, 8, 32, 64)
 NEW_TOKENS = (1, 2, 3, 4, 5, 6, 8, 16, 32, 64)
@@ -188,6 +191,16 @@ def main() -> None:
         "runs mixed in compiled layers on CUDA)",
     )
     p.add_argument(
+        "--linear-kernel",
+        choices=LINEAR_KERNELS,
+        default="cublas",
+        help="the layers' linear maps (inference_ref.skinny_linear.use_linear_kernel); "
+        "not cublas: _<kernel> added to the file name (the library's own default, auto, runs skinny in "
+        "compiled layers)",
+    )
+    p.add_argument("--tag", default="", help="added to the file name (a partial grid, another device)")
+    p.add_argument("--new-tokens", type=int, nargs="+", default=list(NEW_TOKENS), help="per row, 1 = decode")
+    p.add_argument(
         "--compiled-layers",
         action="store_true",
         help="the target's layers through torch.compile (CausalLM.compile_layers), as regeneration and "
@@ -215,6 +228,7 @@ def main() -> None:
     if args.autotune:
         inductor_autotune()
     use_cached_kernel(args.cached_kernel)
+    use_linear_kernel(args.linear_kernel)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
     measured, profiles = {}, None
@@ -223,7 +237,7 @@ def main() -> None:
         model = TARGET_KINDS[cfg.model_type].random(part, DEVICE, DTYPE, 0)
         if args.compiled_layers:
             model.compile_layers()
-        measured[depth] = verify_costs(model, args.batches, NEW_TOKENS)
+        measured[depth] = verify_costs(model, args.batches, args.new_tokens)
         if args.profile:
             profiles = decode_profiles(model, args.batches, torch.cuda.get_device_name())
         ran_compiled = model.runs_compiled("cached")  # false too where the compile fell back to eager
@@ -244,9 +258,11 @@ def main() -> None:
     device_name = torch.cuda.get_device_name()
     suffix = (
         ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}")
+        + ("" if args.linear_kernel == "cublas" else f"_{args.linear_kernel}")
         + ("_compiled" if args.compiled_layers else "")
         + ("_autotuned" if args.autotune else "")
         + ("_profiled" if args.profile else "")  # its own file: a profiled run times fewer batches
+        + (f"_{args.tag}" if args.tag else "")
     )
     write_result(
         f"verify_cost_{args.shape}{suffix}",
@@ -254,6 +270,8 @@ def main() -> None:
             "command": "python -m benchmarks.bench_verify_cost " + " ".join(sys.argv[1:]),
             "shape": args.shape,
             "cached_kernel": args.cached_kernel,
+            "linear_kernel": args.linear_kernel,
+            "skinny_configs": tuned_configs(),
             "compiled_layers": args.compiled_layers,
             "autotune": args.autotune,
             "compiled_layers_ran": ran_compiled,

@@ -11,15 +11,14 @@
 #   bash /root/repo/benchmarks/speed_poll.sh 540
 # Each finished benchmark's JSON is copied into $log/results/ at once, so that whatever finished
 # comes back in the next poll.
-# First what #36 still needs (after the 2026-12-05 run), so that a short device budget gets it:
-#   a    the decode step at batches 1 and 8 profiled by kernel kind (--profile: decode at batch 1
-#        reads at 65.5 % of the weight-read limit, #36 asks 75 %);
-#   g    the step's matmuls alone, cuBLAS against Inductor's reduction kernel (bench_gemv: can
-#        the layers' maps reach 75 % at all?);
-#   b    target-only decoding at batches 1 and 8 with its phase split (the projection check found
-#        its steps slower than the replayed step, 10.7 against 6.6 ms at batch 1);
-#   c    with TOK=<a tokenizer directory> in the environment: DeepSpeed ZeRO-2's kill-and-resume
-#        check, and that its exported head holds the fp32 masters.
+# First what #36 still needs (after the 2026-12-05 runs), so that a short device budget gets it:
+#   t    the Triton kernels' GPU tests (bf16 against PyTorch's, compiled target steps);
+#   k*   whole decode and verify steps at the 8B shape, batches 1 and 8, 1-8 new tokens, with the
+#        Triton kernels (split-key attention, the skinny linear map) against the default
+#        (mixed attention, cuBLAS), one after another on the same machine, then each kernel alone;
+#   g    each map alone: cuBLAS, Inductor's reduction, the skinny kernel (bench_gemv);
+#   p    the decode step and the 8-token verify with both kernels, profiled by kernel kind;
+#   k70* the 70B shape (8 and 16 layers, extrapolated) with both kernels and with the default.
 # Then the full rerun:
 #   1-3  whole verify steps at the 8B shape, compiled layers: the default (mixed: SDPA decodes,
 #        flex verifies), flex and SDPA alone, one after another on the same machine;
@@ -45,11 +44,18 @@ run() {
     find benchmarks/results -name '*.json' -newer "$log/started" -exec cp {} "$log/results/" \;
 }
 v="python -m benchmarks.bench_verify_cost"
-# what #36 still needs first (2026-12-05), then the full rerun
-run profile $v --shape llama3_8b --compiled-layers --batches 1 8 --profile
-run gemv python -m benchmarks.bench_gemv --shape llama3_8b
-run decode_small python -m benchmarks.bench_decode --shape llama3_8b --batch 1 8 --new 128 --variants graph graph_compiled --no-hf
-if [ -n "${TOK:-}" ]; then run deepspeed bash benchmarks/deepspeed_resume_check.sh "$TOK" /root/ds; fi
+# what #36 still needs first (2026-12-05, the Triton kernels), then the full rerun
+run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
+k="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 3 4 6 8 --tag kernels"
+run k_split_skinny $k --cached-kernel split --linear-kernel skinny
+run k_mixed_cublas $k --cached-kernel mixed --linear-kernel cublas
+run g python -m benchmarks.bench_gemv --shape llama3_8b
+run k_split_cublas $k --cached-kernel split --linear-kernel cublas
+run k_mixed_skinny $k --cached-kernel mixed --linear-kernel skinny
+run p $v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 8 --profile --cached-kernel split --linear-kernel skinny
+k70="$v --shape llama3_70b --layers 8 16 --compiled-layers --batches 1 8 --new-tokens 1 2 4 6 8 --tag kernels"
+run k70_split_skinny $k70 --cached-kernel split --linear-kernel skinny
+run k70_mixed_cublas $k70 --cached-kernel mixed --linear-kernel cublas
 run mixed $v --shape llama3_8b --cached-kernel mixed --compiled-layers
 run flex $v --shape llama3_8b --cached-kernel flex --compiled-layers
 run sdpa $v --shape llama3_8b --compiled-layers

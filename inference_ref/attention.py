@@ -12,6 +12,7 @@ slots and positions with a mask of their own (`Placement`).
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 
 import torch
@@ -159,11 +160,13 @@ def cache_mask(lengths: torch.Tensor, new: int, key_len: int) -> torch.Tensor:
 class Placement:
     """Where a cached forward puts its S new tokens per row, when they are not one consecutive
     run (`cache_slots`) but the nodes of a token tree: the cache slots they are written to [B, S],
-    their rope positions [B, S] and the keys each attends to (mask [B, 1, S, K])."""
+    their rope positions [B, S] and the keys each attends to (mask [B, 1, S, K]). Passed to the
+    layers, a mask of None means a consecutive run for `split_kv_attention`: token s sees the
+    keys up to its own slot."""
 
     slots: torch.Tensor
     positions: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 def tree_placement(
@@ -182,7 +185,7 @@ def tree_placement(
     return Placement(slots, positions, mask.unsqueeze(1))
 
 
-CACHED_KERNELS = ("auto", "sdpa", "flex", "mixed")
+CACHED_KERNELS = ("auto", "sdpa", "flex", "mixed", "split")
 _cached_kernel = "auto"
 FLEX_MAX_NEW = 8
 """The most new tokens per row "mixed" gives FlexAttention: the range measured against SDPA at
@@ -196,6 +199,8 @@ def use_cached_kernel(name: str) -> None:
     - "sdpa": SDPA for every call;
     - "flex": FlexAttention for every call (compiled; `flex_cached_attention`);
     - "mixed": SDPA for one-token steps (decoding), flex for 2 to `FLEX_MAX_NEW` tokens (verifying);
+    - "split": the split-key Triton kernel (`split_kv_attention`) for the consecutive steps of a
+      kind that has it (`uses_split_kv`), "mixed" for the rest (token trees, prefills);
     - "auto", the default: "mixed" in compiled layers on CUDA (`CausalLM.compile_layers`), "sdpa"
       elsewhere.
 
@@ -220,9 +225,19 @@ def kernel_for(new: int, device_type: str, compiled: bool, kernel: str | None = 
     kernel = kernel or _cached_kernel
     if kernel == "auto":  # the measured configuration only: compiled layers on CUDA
         kernel = "mixed" if device_type == "cuda" and compiled else "sdpa"
-    if kernel == "mixed":
+    if kernel in ("mixed", "split"):  # "split": what its kernel does not take (`uses_split_kv`)
         return "flex" if 1 < new <= FLEX_MAX_NEW else "sdpa"
     return kernel
+
+
+def uses_split_kv(new: int, heads: int, kv_heads: int, device_type: str) -> bool:
+    """Whether a consecutive step of `new` tokens per row runs `split_kv_attention` (the caller
+    passes no mask then): under "split", where Triton runs it (CUDA, or its interpreter) and the
+    step fits one tile; "auto" and the others never."""
+    from inference_ref import split_kv_attention as split
+
+    runs = device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return _cached_kernel == "split" and runs and split.available() and split.fits(new, heads, kv_heads)
 
 
 FLEX_BLOCK = 128

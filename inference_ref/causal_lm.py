@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from inference_ref.attention import Placement, cache_slots, static_batch
+from inference_ref.attention import Placement, cache_slots, static_batch, uses_split_kv
 
 
 def eos_token_ids(hf: dict) -> tuple[int, ...]:
@@ -144,6 +144,9 @@ class CausalLM(nn.Module):
 
     compilable: ClassVar[bool] = True
     """Whether `compile_layers` is measured for this kind (`load_target` compiles only where it is)."""
+    split_kv_attention: ClassVar[bool] = False
+    """Whether its layers take a consecutive step without a mask, through
+    `attention.split_kv_attention` (`attention.uses_split_kv` says when)."""
     tp_size: int = 1
     """Ranks its layers are sharded over (`inference_ref.tensor_parallel`); each keeps 1/tp_size of
     the attention heads and so of the KV cache."""
@@ -263,6 +266,17 @@ class CausalLM(nn.Module):
         nodes of a token tree instead, at its slots, positions and mask (`attention.tree_placement`)."""
         if placement is None:
             slots, mask = cache.slots(input_ids.shape[1], static)
+            if (
+                self.split_kv_attention
+                and self.tp_size == 1
+                and uses_split_kv(
+                    input_ids.shape[1],
+                    self.cfg.num_attention_heads,
+                    self.cfg.num_key_value_heads,
+                    slots.device.type,
+                )
+            ):
+                mask = None  # each token sees the keys up to its own slot (`Placement`)
             placement = Placement(slots, slots, mask)
         slots, mask = placement.slots, placement.mask
         x = self.embed_tokens(input_ids)

@@ -201,3 +201,17 @@ def test_an_fp8_target_loads_without_holding_its_bf16_weights(tmp_path):
     counted, bf16 = weight_bytes_per_rank(cfg, 1, 2, fp8=True), weight_bytes_per_rank(cfg, 1, 2)
     assert peak <= 1.02 * counted and counted < 0.7 * bf16
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("check", ["split_kv", "skinny"])
+def test_triton_kernel_in_bf16(check):
+    from kernel_checks import CHECKS
+
+    CHECKS[check]("cuda", torch.bfloat16)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_target_steps_through_the_triton_kernels(compiled):
+    from kernel_checks import check_model_steps
+
+    check_model_steps("cuda", torch.bfloat16, compiled)

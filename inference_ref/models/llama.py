@@ -26,6 +26,8 @@ from inference_ref.causal_lm import (
     eos_token_ids,
 )
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, init_random, read_tensors, safetensors_files
+from inference_ref.skinny_linear import project
+from inference_ref.split_kv_attention import split_kv_attention
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -191,7 +193,7 @@ class Attention(nn.Module):
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [.., heads, d], k and v [.., kv_heads, d] before rotary (a kind may normalize them here)."""
-        q, k, v = self.qkv_proj(x).split(
+        q, k, v = project(self.qkv_proj, x).split(
             [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], -1
         )
         q = q.unflatten(-1, (self.n_heads, self.head_dim))
@@ -208,14 +210,18 @@ class Attention(nn.Module):
         return self.o_proj(o.flatten(-2))
 
     def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask):
-        """x [B, S, H]; writes the new K/V at `slots` [B, S] of this layer's cache, then attends."""
+        """x [B, S, H]; writes the new K/V at `slots` [B, S] of this layer's cache, then attends.
+        No mask: a consecutive run, each token seeing the keys up to its own slot (`Placement`)."""
         q, k, v = self._qkv(x, cos, sin)
         rows = torch.arange(x.shape[0], device=x.device)[:, None]
         k_cache[rows, slots] = k.to(k_cache.dtype)
         v_cache[rows, slots] = v.to(v_cache.dtype)
-        key_len = mask.shape[-1]
-        o = cached_attention(q, k_cache[:, :key_len], v_cache[:, :key_len], mask)
-        return self.o_proj(o.flatten(-2))
+        if mask is None:
+            o = split_kv_attention(q, k_cache, v_cache, slots[:, 0])
+        else:
+            key_len = mask.shape[-1]
+            o = cached_attention(q, k_cache[:, :key_len], v_cache[:, :key_len], mask)
+        return project(self.o_proj, o.flatten(-2))
 
 
 class MLP(nn.Module):
@@ -225,8 +231,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)
+        return project(self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -249,6 +255,8 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(CausalLM):
     """`LlamaForCausalLM` with fused projections; embeddings tied or not as configured."""
+
+    split_kv_attention = True
 
     def __init__(self, cfg: LlamaConfig):
         layers = [DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]

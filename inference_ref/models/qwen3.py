@@ -64,6 +64,8 @@ class Qwen3Attention(llama.Attention):
 class Qwen3Model(CausalLM):
     """`Qwen3ForCausalLM` with fused projections."""
 
+    split_kv_attention = True  # llama's attention
+
     def __init__(self, cfg: Qwen3Config):
         layers = [llama.DecoderLayer(cfg, Qwen3Attention) for _ in range(cfg.num_hidden_layers)]
         super().__init__(cfg, layers, llama.Rotary(cfg), KVCache)

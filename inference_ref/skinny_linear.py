@@ -1,0 +1,157 @@
+"""A linear map of a few rows (decode and verify steps) in one Triton kernel, without split-K.
+
+At batch 1 a decode step is its weights read once. cuBLAS serves a one-row product of the
+Llama-3.1-8B layer's maps at 61–85 % of an H100's bandwidth, splitting the input features of
+o_proj and down_proj over thread blocks and summing the parts in a second kernel (docs/benchmarks.md,
+"#36 on an H100"). Here each thread block owns `BLOCK_N` output features and reads their whole
+weight rows once, for every row of x at once (`tl.dot` on a tile of at most `MAX_ROWS` rows): one
+kernel per map, the weights read once whatever the rows. The block shape is tuned once per
+(map shape, row tile) by Triton's autotuner, on the first call (about a second per map shape).
+
+A custom op, so that torch.compile calls it as it is (Inductor would otherwise fuse the map's
+producers into it and recompute them per output block). Runs on CUDA, and on a CPU under
+Triton's interpreter (`TRITON_INTERPRET=1`: the tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a build without Triton: `available()` says no and nothing calls the kernel
+    triton = None
+
+MAX_ROWS = 64
+"""The most rows of x one call takes (the tile `tl.dot` multiplies); more go to cuBLAS."""
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def _configs() -> list:
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter: one small tile, no tuning
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+        for n, k, w, s in (
+            (16, 256, 4, 4),
+            (16, 512, 4, 3),
+            (16, 512, 8, 4),
+            (32, 256, 4, 4),
+            (32, 256, 8, 5),
+            (32, 512, 8, 3),
+            (64, 128, 4, 5),
+            (64, 256, 8, 4),
+        )
+    ]
+
+
+if triton is not None:
+
+    @triton.autotune(configs=_configs(), key=["N", "K", "ROWS"])
+    @triton.jit
+    def _skinny_gemm(
+        X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # Output features n of every row m: x[m] · w[n], the input features in BLOCK_K steps.
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, ROWS)
+        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for first in range(0, K, BLOCK_K):
+            k = first + tl.arange(0, BLOCK_K)
+            x = tl.load(
+                X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0
+            )
+            w = tl.load(
+                W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0
+            )
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        at = Y + m[:, None] * stride_ym + n[None, :]
+        tl.store(at, acc.to(Y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+@torch.library.custom_op("inference_ref::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (at most `MAX_ROWS` rows) @ weight [N, K]ᵀ → [..., N], as `F.linear` without bias."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows, features = flat.shape
+    out_features = weight.shape[0]
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    y = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
+    tile = max(16, triton.next_power_of_2(rows))  # tl.dot takes tiles of 16 rows or more
+
+    def grid(meta):
+        return (triton.cdiv(out_features, meta["BLOCK_N"]),)
+
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit dots
+    _skinny_gemm[grid](
+        flat, weight, y, rows, out_features, features, flat.stride(0), weight.stride(0), y.stride(0),
+        ROWS=tile, PRECISION=precision,
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], out_features)
+
+
+@skinny_linear.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def tuned_configs() -> dict[str, str]:
+    """The block shape the autotuner chose per (out features, in features, row tile, ...), so far."""
+    if triton is None:
+        return {}
+    return {str(key): str(config) for key, config in _skinny_gemm.cache.items()}
+
+
+LINEAR_KERNELS = ("auto", "cublas", "skinny")
+_linear_kernel = "auto"
+
+
+def use_linear_kernel(name: str) -> None:
+    """Which kernel `project` runs for a map of at most `MAX_ROWS` rows in 16 bits on CUDA:
+    "cublas" (`F.linear`), "skinny" (`skinny_linear`), or "auto", the default: "skinny" inside
+    compiled layers, "cublas" elsewhere (eager layers are bound by launches, not reads)."""
+    global _linear_kernel
+    if name not in LINEAR_KERNELS:
+        raise ValueError(f"linear kernel {name!r}: one of {', '.join(LINEAR_KERNELS)}")
+    _linear_kernel = name
+
+
+def project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)`, through `skinny_linear` where `use_linear_kernel` says so: a plain bias-free
+    `nn.Linear` (not an FP8 or tensor-parallel one, whose modules run their own kernels) on CUDA,
+    16-bit, with at most `MAX_ROWS` rows."""
+    kernel = _linear_kernel
+    if kernel == "auto":
+        kernel = "skinny" if torch.compiler.is_compiling() else "cublas"
+    if kernel == "skinny" and _plain(linear) and _fits(x):
+        return skinny_linear(x, linear.weight)
+    return linear(x)
+
+
+def _plain(linear: torch.nn.Module) -> bool:
+    return (
+        type(linear) is torch.nn.Linear
+        and linear.bias is None
+        and not (linear._forward_hooks or linear._forward_pre_hooks)
+        and type(linear.weight) in (torch.Tensor, torch.nn.Parameter)
+    )
+
+
+def _fits(x: torch.Tensor) -> bool:
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the tests, on a CPU
+    return (
+        triton is not None
+        and (x.is_cuda or interpreted)
+        and x.dtype in (torch.bfloat16, torch.float16) + ((torch.float32,) if interpreted else ())
+        and x.numel() <= MAX_ROWS * x.shape[-1]
+    )

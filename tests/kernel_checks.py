@@ -1,0 +1,115 @@
+"""Checks of the Triton kernels (`inference_ref.split_kv_attention`, `inference_ref.skinny_linear`)
+against PyTorch's own, for a device and dtype: on a CPU under Triton's interpreter
+(`test_triton_kernels.py` runs them in a child process with TRITON_INTERPRET=1, which Triton reads
+when the kernels are defined) and on CUDA in bf16 (`test_gpu.py`).
+
+    TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernel_checks.py split_kv cpu float32
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from inference_ref.attention import cache_mask, use_cached_kernel
+from inference_ref.models.llama import LlamaConfig, random_llama
+from inference_ref.skinny_linear import skinny_linear, use_linear_kernel
+from inference_ref.split_kv_attention import split_kv_attention
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.isfinite().all(), "non-finite output"
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def check_split_kv(device: str, dtype: torch.dtype) -> None:
+    """Random rows of random lengths; every new token against SDPA over its visible keys in fp64."""
+    torch.manual_seed(0)
+    cases = [  # batch, new tokens, query heads, K/V heads, cache capacity, head size
+        (1, 1, 8, 2, 100, 64),
+        (3, 4, 8, 2, 300, 64),
+        (2, 8, 4, 4, 70, 32),
+        (2, 2, 12, 4, 200, 64),
+        (4, 16, 4, 1, 90, 16),
+    ]
+    if device == "cuda":
+        cases += [(1, 1, 32, 8, 1089, 128), (8, 8, 32, 8, 1089, 128)]
+    for batch, new, heads, kv_heads, capacity, dim in cases:
+        q = torch.randn(batch, new, heads, dim, device=device, dtype=dtype)
+        k, v = (torch.randn(batch, capacity, kv_heads, dim, device=device, dtype=dtype) for _ in range(2))
+        lengths = torch.randint(0, capacity - new + 1, (batch,), device=device)
+        got = split_kv_attention(q, k, v, lengths)
+        want = F.scaled_dot_product_attention(
+            *(t.transpose(1, 2).double() for t in (q, k, v)),
+            attn_mask=cache_mask(lengths, new, capacity),
+            enable_gqa=True,
+        ).transpose(1, 2)
+        err = relative_error(got, want)
+        assert err < tolerance(dtype), (batch, new, heads, kv_heads, capacity, lengths.tolist(), err)
+
+
+def check_skinny(device: str, dtype: torch.dtype) -> None:
+    """Rows 1–64 (leading dimensions kept), features not multiples of the tiles."""
+    torch.manual_seed(0)
+    cases = [((1, 1, 96), 40), ((3, 5, 64), 33), ((64, 128), 48), ((2, 100), 17), ((7, 256), 520)]
+    for x_shape, out_features in cases:
+        x = torch.randn(*x_shape, device=device, dtype=dtype)
+        w = torch.randn(out_features, x_shape[-1], device=device, dtype=dtype)
+        got = skinny_linear(x, w)
+        assert got.shape == (*x_shape[:-1], out_features)
+        err = relative_error(got, F.linear(x.double(), w.double()))
+        assert err < tolerance(dtype), (x_shape, out_features, err)
+
+
+@torch.inference_mode()
+def check_model_steps(device: str, dtype: torch.dtype, compiled: bool = False) -> None:
+    """A Llama target's decode and verify steps through both kernels equal SDPA's and cuBLAS's on
+    the same cache: rows of three lengths, 1 and 3 new tokens, the states and the cache writes."""
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    model = random_llama(cfg, device, dtype, seed=0)
+    if compiled:
+        model.compile_layers()
+    torch.manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (3, 40), device=device)
+    steps = [torch.randint(0, cfg.vocab_size, (3, n), device=device) for n in (1, 3, 1)]
+    results = {}
+    for kernels in (("sdpa", "cublas"), ("split", "skinny")):
+        use_cached_kernel(kernels[0])
+        use_linear_kernel(kernels[1])
+        cache = model.new_cache(3, 64)
+        model.forward_cached(prompt, cache)  # a prefill: SDPA and cuBLAS under both
+        cache.lengths += torch.tensor([40, 25, 33], device=device)  # rows of three lengths
+        states = []
+        for ids in steps:
+            states.append(model.forward_cached(ids, cache, static=True))
+            cache.lengths += ids.shape[1]
+        results[kernels] = (states, cache)
+    use_cached_kernel("auto")
+    use_linear_kernel("auto")
+    (want, want_cache), (got, got_cache) = results.values()
+    for g, w in zip(got, want):
+        assert relative_error(g, w) < 10 * tolerance(dtype), relative_error(g, w)
+    assert relative_error(got_cache.k, want_cache.k) < 10 * tolerance(dtype)
+    assert relative_error(got_cache.v, want_cache.v) < 10 * tolerance(dtype)
+
+
+CHECKS = {"split_kv": check_split_kv, "skinny": check_skinny, "model_steps": check_model_steps}
+
+if __name__ == "__main__":
+    name, device, dtype = sys.argv[1:4]
+    CHECKS[name](device, getattr(torch, dtype), *(a == "compiled" for a in sys.argv[4:]))
+    print("OK", " ".join(sys.argv[1:]))

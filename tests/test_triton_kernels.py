@@ -1,0 +1,42 @@
+"""The Triton kernels (split-key attention, the skinny linear map) on a CPU under Triton's
+interpreter, against PyTorch's kernels: each check in a child process, since Triton reads
+TRITON_INTERPRET when the kernels are defined (`tests/kernel_checks.py`; bf16 on CUDA: test_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def interpreted(*args: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "kernel_checks.py"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])  # the interpreter's dot gets bf16 wrong
+def test_split_kv_attention_matches_sdpa(dtype):
+    interpreted("split_kv", "cpu", dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_skinny_linear_matches_f_linear(dtype):
+    interpreted("skinny", "cpu", dtype)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_target_steps_through_both_kernels_equal_sdpa_and_cublas(compiled):
+    interpreted("model_steps", "cpu", "float32", *(["compiled"] if compiled else []))
