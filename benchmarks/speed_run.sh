@@ -44,25 +44,24 @@ run() {
     find benchmarks/results -name '*.json' -newer "$log/started" -exec cp {} "$log/results/" \;
 }
 v="python -m benchmarks.bench_verify_cost"
-# what #36 still needs first (2026-12-05, the Triton kernels), then the full rerun
+# what #36 still needs first (2026-12-05, the Triton kernels, second pass), then the full rerun
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 k="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 3 4 6 8 --tag kernels"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny
 run k_mixed_cublas $k --cached-kernel mixed --linear-kernel cublas
-run g python -m benchmarks.bench_gemv --shape llama3_8b
-run k_split_cublas $k --cached-kernel split --linear-kernel cublas
-run k_mixed_skinny $k --cached-kernel mixed --linear-kernel skinny
 run p $v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 8 --profile --cached-kernel split --linear-kernel skinny
+run g python -m benchmarks.bench_gemv --shape llama3_8b
+run spec_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128
+run spec_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128
+run k_mixed_skinny $k --cached-kernel mixed --linear-kernel skinny
 k70="$v --shape llama3_70b --layers 8 16 --compiled-layers --batches 1 8 --new-tokens 1 2 4 6 8 --tag kernels"
 run k70_split_skinny $k70 --cached-kernel split --linear-kernel skinny
-run k70_mixed_cublas $k70 --cached-kernel mixed --linear-kernel cublas
+run decode64 python -m benchmarks.bench_decode --shape llama3_8b --batch 64 --new 128 --variants graph_compiled
 run mixed $v --shape llama3_8b --cached-kernel mixed --compiled-layers
 run flex $v --shape llama3_8b --cached-kernel flex --compiled-layers
 run sdpa $v --shape llama3_8b --compiled-layers
 run mixed_70b $v --shape llama3_70b --layers 8 16 --batches 1 8 --cached-kernel mixed --compiled-layers
 run autotune $v --shape llama3_8b --compiled-layers --autotune --batches 1 8
-run spec_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128
-run spec_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128
 run fp8 python -m benchmarks.bench_fp8 --shape llama3_8b --tokens 150000
 run gpu_tests python -m pytest -q -m gpu tests/test_gpu.py tests/test_fp8.py
 echo "== $(date +%T) finished"

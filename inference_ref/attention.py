@@ -201,8 +201,12 @@ def use_cached_kernel(name: str) -> None:
     - "mixed": SDPA for one-token steps (decoding), flex for 2 to `FLEX_MAX_NEW` tokens (verifying);
     - "split": the split-key Triton kernel (`split_kv_attention`) for the consecutive steps of a
       kind that has it (`uses_split_kv`), "mixed" for the rest (token trees, prefills);
-    - "auto", the default: "mixed" in compiled layers on CUDA (`CausalLM.compile_layers`), "sdpa"
+    - "auto", the default: "split" in compiled layers on CUDA (`CausalLM.compile_layers`), "sdpa"
       elsewhere.
+
+    Whole steps on an H100 at the Llama-3.1-8B shape, compiled layers, graphed (2026-12-05,
+    docs/benchmarks.md): "split" with the skinny linear maps decodes at batch 1 in 6.20 ms against
+    "mixed"'s 6.50 with cuBLAS, and its verifies of 2–8 tokens cost 1.01–1.08× its decode step.
 
     Whole steps on the H200 at the Llama-3.1-8B shape, compiled layers, 1k-token cache, graphed
     (`bench_verify_cost`, 2026-12-04; docs/benchmarks.md): flex verifies 2–8 tokens faster than
@@ -230,14 +234,17 @@ def kernel_for(new: int, device_type: str, compiled: bool, kernel: str | None = 
     return kernel
 
 
-def uses_split_kv(new: int, heads: int, kv_heads: int, device_type: str) -> bool:
+def uses_split_kv(new: int, heads: int, kv_heads: int, device_type: str, compiled: bool) -> bool:
     """Whether a consecutive step of `new` tokens per row runs `split_kv_attention` (the caller
-    passes no mask then): under "split", where Triton runs it (CUDA, or its interpreter) and the
-    step fits one tile; "auto" and the others never."""
+    passes no mask then): under "split", and under "auto" in compiled layers on CUDA, where Triton
+    runs it (CUDA, or its interpreter) and the step fits one tile."""
     from inference_ref import split_kv_attention as split
 
+    kernel = _cached_kernel
+    if kernel == "auto":
+        kernel = "split" if device_type == "cuda" and compiled else "sdpa"
     runs = device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    return _cached_kernel == "split" and runs and split.available() and split.fits(new, heads, kv_heads)
+    return kernel == "split" and runs and split.available() and split.fits(new, heads, kv_heads)
 
 
 FLEX_BLOCK = 128

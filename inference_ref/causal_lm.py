@@ -216,6 +216,22 @@ class CausalLM(nn.Module):
         self.compile_proven |= {forward}
         return out
 
+    def runs_split_kv(self, new: int, device_type: str) -> bool:
+        """Whether a consecutive step of `new` tokens per row goes through the split-key kernel
+        (`attention.uses_split_kv`): a kind whose layers have it, unsharded."""
+        cfg = self.cfg
+        return (
+            self.split_kv_attention
+            and self.tp_size == 1
+            and uses_split_kv(
+                new,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                device_type,
+                self.runs_compiled("cached"),
+            )
+        )
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from pre-norm hidden states, in fp32 (of the last layer's: the first H columns of
         states widened by `capture`)."""
@@ -266,16 +282,7 @@ class CausalLM(nn.Module):
         nodes of a token tree instead, at its slots, positions and mask (`attention.tree_placement`)."""
         if placement is None:
             slots, mask = cache.slots(input_ids.shape[1], static)
-            if (
-                self.split_kv_attention
-                and self.tp_size == 1
-                and uses_split_kv(
-                    input_ids.shape[1],
-                    self.cfg.num_attention_heads,
-                    self.cfg.num_key_value_heads,
-                    slots.device.type,
-                )
-            ):
+            if self.runs_split_kv(input_ids.shape[1], slots.device.type):
                 mask = None  # each token sees the keys up to its own slot (`Placement`)
             placement = Placement(slots, slots, mask)
         slots, mask = placement.slots, placement.mask

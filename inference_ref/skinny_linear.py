@@ -4,9 +4,10 @@ At batch 1 a decode step is its weights read once. cuBLAS serves a one-row produ
 Llama-3.1-8B layer's maps at 61–85 % of an H100's bandwidth, splitting the input features of
 o_proj and down_proj over thread blocks and summing the parts in a second kernel (docs/benchmarks.md,
 "#36 on an H100"). Here each thread block owns `BLOCK_N` output features and reads their whole
-weight rows once, for every row of x at once (`tl.dot` on a tile of at most `MAX_ROWS` rows): one
-kernel per map, the weights read once whatever the rows. The block shape is tuned once per
-(map shape, row tile) by Triton's autotuner, on the first call (about a second per map shape).
+weight rows once, for every row of x at once (`tl.dot` on a tile of 16 to `MAX_ROWS` rows; one row
+is multiplied and summed along K): one kernel per map, the weights read once whatever the rows.
+The block shape is timed once per (map shape, row tile), on the first call outside a CUDA graph's
+capture (a fraction of a second per map shape; `_block_shape`).
 
 A custom op, so that torch.compile calls it as it is (Inductor would otherwise fuse the map's
 producers into it and recompute them per output block). Runs on CUDA, and on a CPU under
@@ -33,27 +34,27 @@ def available() -> bool:
     return triton is not None
 
 
-def _configs() -> list:
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter: one small tile, no tuning
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n, k, w, s in (
-            (16, 256, 4, 4),
-            (16, 512, 4, 3),
-            (16, 512, 8, 4),
-            (32, 256, 4, 4),
-            (32, 256, 8, 5),
-            (32, 512, 8, 3),
-            (64, 128, 4, 5),
-            (64, 256, 8, 4),
-        )
-    ]
+def _candidates(tile: int) -> list[dict]:
+    """Block shapes to try for a row tile: (BLOCK_N, BLOCK_K, num_warps, num_stages). One row
+    multiplies and sums along K (no tile of 16 rows to fill): narrow blocks, long K steps."""
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter: one small shape, no tuning
+        shapes = [(16, 64, 4, 1)]
+    elif tile == 1:
+        shapes = [
+            (n, k, w, st)
+            for n, k in ((4, 1024), (8, 512), (8, 1024), (16, 512))
+            for w, st in ((4, 3), (8, 4))
+        ]
+    else:
+        shapes = [
+            (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 4), (32, 256, 4, 4),
+            (32, 256, 8, 5), (32, 512, 8, 3), (64, 128, 4, 5), (64, 256, 8, 4),
+        ]  # fmt: skip
+    return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st} for n, k, w, st in shapes]
 
 
 if triton is not None:
 
-    @triton.autotune(configs=_configs(), key=["N", "K", "ROWS"])
     @triton.jit
     def _skinny_gemm(
         X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -61,19 +62,56 @@ if triton is not None:
     ):  # fmt: skip
         # Output features n of every row m: x[m] · w[n], the input features in BLOCK_K steps.
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, ROWS)
-        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for first in range(0, K, BLOCK_K):
-            k = first + tl.arange(0, BLOCK_K)
-            x = tl.load(
-                X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0
-            )
-            w = tl.load(
-                W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0
-            )
-            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        at = Y + m[:, None] * stride_ym + n[None, :]
-        tl.store(at, acc.to(Y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+        if ROWS == 1:  # a product summed along K, accumulated in fp32
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for first in range(0, K, BLOCK_K):
+                k = first + tl.arange(0, BLOCK_K)
+                x = tl.load(X + k, mask=k < K, other=0.0)
+                w = tl.load(
+                    W + n[:, None] * stride_wn + k[None, :],
+                    mask=(n[:, None] < N) & (k[None, :] < K),
+                    other=0.0,
+                )
+                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            tl.store(Y + n, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=n < N)
+        else:
+            m = tl.arange(0, ROWS)
+            acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            for first in range(0, K, BLOCK_K):
+                k = first + tl.arange(0, BLOCK_K)
+                x = tl.load(
+                    X + m[:, None] * stride_xm + k[None, :],
+                    mask=(m[:, None] < M) & (k[None, :] < K),
+                    other=0.0,
+                )
+                w = tl.load(
+                    W + n[:, None] * stride_wn + k[None, :],
+                    mask=(n[:, None] < N) & (k[None, :] < K),
+                    other=0.0,
+                )
+                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            at = Y + m[:, None] * stride_ym + n[None, :]
+            tl.store(at, acc.to(Y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+_tuned: dict[tuple, dict] = {}
+"""The block shape chosen per (out features, in features, row tile, dtype, device)."""
+
+
+def _block_shape(key: tuple, launch) -> dict:
+    """The fastest candidate for `key`, timed once (`launch(shape)` runs the kernel). Never timed
+    while a CUDA graph is being captured (timing synchronizes, which would break the capture): the
+    first candidate serves there, unremembered, until an uncaptured call times them."""
+    if key in _tuned:
+        return _tuned[key]
+    candidates = _candidates(key[2])
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    from triton.testing import do_bench
+
+    times = [do_bench(lambda c=c: launch(c), warmup=5, rep=20) for c in candidates]
+    _tuned[key] = candidates[times.index(min(times))]
+    return _tuned[key]
 
 
 @torch.library.custom_op("inference_ref::skinny_linear", mutates_args=())
@@ -87,16 +125,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
-    tile = max(16, triton.next_power_of_2(rows))  # tl.dot takes tiles of 16 rows or more
-
-    def grid(meta):
-        return (triton.cdiv(out_features, meta["BLOCK_N"]),)
-
+    tile = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))  # tl.dot takes 16 rows or more
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit dots
-    _skinny_gemm[grid](
-        flat, weight, y, rows, out_features, features, flat.stride(0), weight.stride(0), y.stride(0),
-        ROWS=tile, PRECISION=precision,
-    )  # fmt: skip
+
+    def launch(shape: dict) -> None:
+        _skinny_gemm[(triton.cdiv(out_features, shape["BLOCK_N"]),)](
+            flat, weight, y, rows, out_features, features, flat.stride(0), weight.stride(0), y.stride(0),
+            ROWS=tile, PRECISION=precision, **shape,
+        )  # fmt: skip
+
+    launch(_block_shape((out_features, features, tile, x.dtype, x.device), launch))
     return y.view(*x.shape[:-1], out_features)
 
 
@@ -105,11 +143,9 @@ def _(x, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def tuned_configs() -> dict[str, str]:
-    """The block shape the autotuner chose per (out features, in features, row tile, ...), so far."""
-    if triton is None:
-        return {}
-    return {str(key): str(config) for key, config in _skinny_gemm.cache.items()}
+def tuned_configs() -> dict[str, dict]:
+    """The block shape chosen so far per (out features, in features, row tile, dtype, device)."""
+    return {str(key): shape for key, shape in _tuned.items()}
 
 
 LINEAR_KERNELS = ("auto", "cublas", "skinny")

@@ -120,26 +120,21 @@ if triton is not None:
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
         ROWS: tl.constexpr, DIM: tl.constexpr,
     ):  # fmt: skip
-        # One (row, K/V head): the shares' outputs weighted by their exp2(lse).
-        pair = tl.program_id(0)
-        b, kv_head = pair // KV_HEADS, pair % KV_HEADS
-        r = tl.arange(0, ROWS)
+        # One tile row of one (row, K/V head): its shares' outputs weighted by their exp2(lse),
+        # all shares loaded at once (one program per tile row keeps every load in flight together).
+        pair, r = tl.program_id(0), tl.program_id(1)
         s = r // GROUP
-        head = kv_head * GROUP + r % GROUP
-        d = tl.arange(0, DIM)
-        shares = tl.arange(0, SPLITS_POW2)
-        lse = tl.load(Lse + (pair * SPLITS + shares[:, None]) * ROWS + r[None, :],
-                      mask=(shares < SPLITS)[:, None], other=float("-inf"))  # fmt: skip
-        top = tl.max(lse, 0)
-        acc = tl.zeros([ROWS, DIM], tl.float32)
-        total = tl.zeros([ROWS], tl.float32)
-        for split in range(SPLITS):
-            at = (pair * SPLITS + split) * ROWS + r
-            w = tl.exp2(tl.load(Lse + at) - top)  # 0 for a share that saw no key
-            acc += w[:, None] * tl.load(Part + at[:, None] * DIM + d[None, :])
-            total += w
-        o_at = Out + b * stride_ob + s[:, None] * stride_os + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_at, (acc / total[:, None]).to(Out.dtype.element_ty), mask=(s < new)[:, None])
+        if s < new:
+            b, kv_head = pair // KV_HEADS, pair % KV_HEADS
+            head = kv_head * GROUP + r % GROUP
+            d = tl.arange(0, DIM)
+            shares = tl.arange(0, SPLITS_POW2)
+            at = (pair * SPLITS + shares) * ROWS + r
+            lse = tl.load(Lse + at, mask=shares < SPLITS, other=float("-inf"))
+            w = tl.exp2(lse - tl.max(lse, 0))  # 0 for a share that saw no key
+            part = tl.load(Part + at[:, None] * DIM + d[None, :], mask=(shares < SPLITS)[:, None], other=0.0)
+            o = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+            tl.store(Out + b * stride_ob + s * stride_os + head * stride_oh + d, o.to(Out.dtype.element_ty))
 
 
 @torch.library.custom_op("inference_ref::split_kv_attention", mutates_args=())
@@ -168,7 +163,7 @@ def split_kv_attention(
         KV_HEADS=kv_heads, GROUP=group, SPLITS=splits, ROWS=rows, KEYS=BLOCK_KEYS, DIM=dim,
         PRECISION=precision,
     )  # fmt: skip
-    _split_kv_attention_merge[(batch * kv_heads,)](
+    _split_kv_attention_merge[(batch * kv_heads, new * group)](
         part, lse, out, out.stride(0), out.stride(1), out.stride(2), new,
         KV_HEADS=kv_heads, GROUP=group, SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits),
         ROWS=rows, DIM=dim,
