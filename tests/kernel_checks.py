@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from inference_ref.attention import cache_mask, use_cached_kernel
-from inference_ref.models.llama import LlamaConfig, random_llama
+from inference_ref.models.llama import random_llama
 from inference_ref.skinny_linear import skinny_linear, use_linear_kernel
 from inference_ref.split_kv_attention import split_kv_attention
+from tiny import tiny_llama
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -71,15 +72,7 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
 def check_model_steps(device: str, dtype: torch.dtype, compiled: bool = False) -> None:
     """A Llama target's decode and verify steps through both kernels equal SDPA's and cuBLAS's on
     the same cache: rows of three lengths, 1 and 3 new tokens, the states and the cache writes."""
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
+    cfg = tiny_llama()
     model = random_llama(cfg, device, dtype, seed=0)
     if compiled:
         model.compile_layers()
