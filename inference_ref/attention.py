@@ -234,17 +234,23 @@ def kernel_for(new: int, device_type: str, compiled: bool, kernel: str | None = 
     return kernel
 
 
-def uses_split_kv(new: int, heads: int, kv_heads: int, device_type: str, compiled: bool) -> bool:
-    """Whether a consecutive step of `new` tokens per row runs `split_kv_attention` (the caller
-    passes no mask then): under "split", and under "auto" in compiled layers on CUDA, where Triton
-    runs it (CUDA, or its interpreter) and the step fits one tile."""
+def uses_split_kv(new: int, cfg, device_type: str, compiled: bool) -> bool:
+    """Whether a consecutive step of `new` tokens per row of a target shaped `cfg` (its head
+    counts and size) runs `split_kv_attention` (the caller passes no mask then): under "split", and
+    under "auto" in compiled layers on CUDA, where Triton runs it (CUDA, or its interpreter) and
+    the step fits one tile."""
     from inference_ref import split_kv_attention as split
 
     kernel = _cached_kernel
     if kernel == "auto":
         kernel = "split" if device_type == "cuda" and compiled else "sdpa"
     runs = device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    return kernel == "split" and runs and split.available() and split.fits(new, heads, kv_heads)
+    return (
+        kernel == "split"
+        and runs
+        and split.available()
+        and split.fits(new, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    )
 
 
 FLEX_BLOCK = 128

@@ -190,7 +190,9 @@ class CausalLM(nn.Module):
         return self._layer_call("packed", packed_layer_forward, layer, *args)
 
     def cached_layer(self, layer: nn.Module, *args) -> torch.Tensor:
-        if self.runs_compiled("cached"):  # every input's dim 0 is the batch; args[0] is x [B, S, H]
+        # Every input's dim 0 is the batch; args[0] is x [B, S, H], args[-1] the mask: none where
+        # the split-key kernel serves the step, which needs no graph per batch size (flex does).
+        if self.runs_compiled("cached") and args[-1] is not None:
             static_batch(*(a for a in args if isinstance(a, torch.Tensor)), compiled=True)
         return self._layer_call("cached", cached_layer_forward, layer, *args)
 
@@ -219,17 +221,11 @@ class CausalLM(nn.Module):
     def runs_split_kv(self, new: int, device_type: str) -> bool:
         """Whether a consecutive step of `new` tokens per row goes through the split-key kernel
         (`attention.uses_split_kv`): a kind whose layers have it, unsharded."""
-        cfg = self.cfg
+        compiled = self.runs_compiled("cached")
         return (
             self.split_kv_attention
             and self.tp_size == 1
-            and uses_split_kv(
-                new,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                device_type,
-                self.runs_compiled("cached"),
-            )
+            and uses_split_kv(new, self.cfg, device_type, compiled)
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

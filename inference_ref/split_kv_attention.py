@@ -37,9 +37,10 @@ def available() -> bool:
     return triton is not None
 
 
-def fits(new: int, heads: int, kv_heads: int) -> bool:
-    """Whether `new` tokens per row with this head layout fit one tile."""
-    return new * (heads // kv_heads) <= MAX_ROWS
+def fits(new: int, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `new` tokens per row with this head layout fit one tile (and the head size one
+    block: a power of 2, at least the 16 `tl.dot` takes)."""
+    return new * (heads // kv_heads) <= MAX_ROWS and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def _rows_block(rows: int) -> int:
@@ -152,7 +153,7 @@ def split_kv_attention(
     splits = split_count(batch, kv_heads, k_cache.shape[1], q.device)
     part = torch.empty(batch * kv_heads * splits * rows, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(batch * kv_heads * splits * rows, device=q.device, dtype=torch.float32)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous, as the fake below says
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit dots
     _split_kv_attention_partial[(batch * kv_heads, splits)](
         q, k_cache, v_cache, lengths, part, lse,
@@ -173,4 +174,4 @@ def split_kv_attention(
 
 @split_kv_attention.register_fake
 def _(q, k_cache, v_cache, lengths):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)

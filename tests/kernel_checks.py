@@ -53,6 +53,16 @@ def check_split_kv(device: str, dtype: torch.dtype) -> None:
         ).transpose(1, 2)
         err = relative_error(got, want)
         assert err < tolerance(dtype), (batch, new, heads, kv_heads, capacity, lengths.tolist(), err)
+    # q with its head size strided (the op copies it), and the op against its fake (strides too)
+    q = torch.randn(2, 3, 64, 8, device=device, dtype=dtype).transpose(-1, -2)
+    k, v = (torch.randn(2, 50, 2, 64, device=device, dtype=dtype) for _ in range(2))
+    lengths = torch.tensor([0, 47], device=device)
+    got = split_kv_attention(q, k, v, lengths)
+    assert got.is_contiguous()
+    assert relative_error(got, split_kv_attention(q.contiguous(), k, v, lengths)) == 0
+    torch.library.opcheck(
+        split_kv_attention, (q, k, v, lengths), test_utils=("test_schema", "test_faketensor")
+    )
 
 
 def check_skinny(device: str, dtype: torch.dtype) -> None:
@@ -66,6 +76,8 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
         assert got.shape == (*x_shape[:-1], out_features)
         err = relative_error(got, F.linear(x.double(), w.double()))
         assert err < tolerance(dtype), (x_shape, out_features, err)
+    x, w = torch.randn(3, 40, device=device, dtype=dtype), torch.randn(24, 40, device=device, dtype=dtype)
+    torch.library.opcheck(skinny_linear, (x, w), test_utils=("test_schema", "test_faketensor"))
 
 
 @torch.inference_mode()

@@ -40,3 +40,12 @@ def test_skinny_linear_matches_f_linear(dtype):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_target_steps_through_both_kernels_equal_sdpa_and_cublas(compiled):
     interpreted("model_steps", "cpu", "float32", *(["compiled"] if compiled else []))
+
+
+def test_split_kv_takes_the_head_sizes_and_tiles_it_can():
+    from inference_ref.split_kv_attention import fits
+
+    assert fits(1, 32, 8, 128) and fits(16, 32, 8, 64)
+    assert not fits(1, 32, 8, 96)  # tl.arange takes powers of 2: SDPA serves this head size
+    assert not fits(1, 4, 2, 8)  # tl.dot takes 16 or more
+    assert not fits(17, 32, 8, 128)  # 68 query rows per K/V head: more than one tile
