@@ -11,14 +11,18 @@
 #   bash /root/repo/benchmarks/speed_poll.sh 540
 # Each finished benchmark's JSON is copied into $log/results/ at once, so that whatever finished
 # comes back in the next poll.
-# First what #36 still needs (after the 2026-12-05 runs), so that a short device budget gets it:
+# First what #36 still needs (after the 2026-12-05 runs: the Triton kernels met the bars on an H100
+# at the 8B shape), so that a short device budget gets it:
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, compiled target steps);
-#   k*   whole decode and verify steps at the 8B shape, batches 1 and 8, 1-8 new tokens, with the
-#        Triton kernels (split-key attention, the skinny linear map) against the default
-#        (mixed attention, cuBLAS), one after another on the same machine, then each kernel alone;
-#   g    each map alone: cuBLAS, Inductor's reduction, the skinny kernel (bench_gemv);
-#   p    the decode step and the 8-token verify with both kernels, profiled by kernel kind;
-#   k70* the 70B shape (8 and 16 layers, extrapolated) with both kernels and with the default.
+#   k*   whole decode and verify steps at the 8B shape, batches 1 and 8, with the kernels (split-key
+#        attention, the skinny linear map: the default) against mixed attention and cuBLAS, one
+#        after another on the same machine;
+#   k70* the same at the 70B shape (8 and 16 layers, extrapolated): the final kernels not yet run;
+#   decode64  decoding at batch 64 against HF generate with the new defaults (#36: >= 10x);
+#   p    the decode step and the 8-token verify with the kernels, profiled by kernel kind;
+#   g    each map alone: cuBLAS, Inductor's reduction, the skinny kernel (its one-row path unmeasured);
+#   k_mixed_skinny  flex verifies with the skinny maps (its first run broke a graph capture);
+#   spec_b*  the speculative loop against its projection.
 # Then the full rerun:
 #   1-3  whole verify steps at the 8B shape, compiled layers: the default (mixed: SDPA decodes,
 #        flex verifies), flex and SDPA alone, one after another on the same machine;
@@ -44,19 +48,20 @@ run() {
     find benchmarks/results -name '*.json' -newer "$log/started" -exec cp {} "$log/results/" \;
 }
 v="python -m benchmarks.bench_verify_cost"
-# what #36 still needs first (2026-12-05, the Triton kernels, second pass), then the full rerun
+# what #36 still needs first (see above), then the full rerun
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 k="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 3 4 6 8 --tag kernels"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny
 run k_mixed_cublas $k --cached-kernel mixed --linear-kernel cublas
-run p $v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 8 --profile --cached-kernel split --linear-kernel skinny
-run g python -m benchmarks.bench_gemv --shape llama3_8b
-run spec_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128
-run spec_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128
-run k_mixed_skinny $k --cached-kernel mixed --linear-kernel skinny
 k70="$v --shape llama3_70b --layers 8 16 --compiled-layers --batches 1 8 --new-tokens 1 2 4 6 8 --tag kernels"
 run k70_split_skinny $k70 --cached-kernel split --linear-kernel skinny
+run k70_mixed_cublas $k70 --cached-kernel mixed --linear-kernel cublas
 run decode64 python -m benchmarks.bench_decode --shape llama3_8b --batch 64 --new 128 --variants graph_compiled
+run p $v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 8 --profile --cached-kernel split --linear-kernel skinny
+run g python -m benchmarks.bench_gemv --shape llama3_8b
+run k_mixed_skinny $k --cached-kernel mixed --linear-kernel skinny
+run spec_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128
+run spec_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128
 run mixed $v --shape llama3_8b --cached-kernel mixed --compiled-layers
 run flex $v --shape llama3_8b --cached-kernel flex --compiled-layers
 run sdpa $v --shape llama3_8b --compiled-layers
