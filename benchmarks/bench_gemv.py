@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from benchmarks.bench_verify_cost import captured, replay_ms
 from benchmarks.common import DEVICE, DTYPE, peak_bandwidth, shape, write_result
 from inference_ref import skinny_linear as skinny
-from inference_ref.skinny_linear import skinny_linear
 
 ROTATION_BYTES = 512 * 2**20
 GEMV_ROWS = 8  # the reduction kernel reads each weight once per row: timed up to this many rows
@@ -72,7 +71,7 @@ def measure(cfg, batches: list[int], bandwidth: float | None) -> dict:
             x = torch.randn(b, k, device=DEVICE, dtype=DTYPE)
             row = {}
             kernels = {"cublas": F.linear} | ({"inductor_reduction": reduction} if b <= GEMV_ROWS else {})
-            kernels |= {"skinny": skinny_linear} if b <= skinny.MAX_ROWS else {}
+            kernels |= {"skinny": skinny.skinny_linear} if b <= skinny.MAX_ROWS else {}
             for kernel_name, kernel in kernels.items():
                 ms = call_ms(kernel, weights, x)
                 rate = nbytes / (ms / 1e3)

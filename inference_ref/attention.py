@@ -12,11 +12,13 @@ slots and positions with a mask of their own (`Placement`).
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from inference_ref.split_kv_attention import fits as split_kv_fits
+from inference_ref.triton_support import runs_on
 
 
 def _varlen_kernel():
@@ -240,18 +242,11 @@ def uses_split_kv(new: int, cfg, device_type: str, compiled: bool) -> bool:
     counts and size) runs `split_kv_attention` (the caller passes no mask then): under "split", and
     under "auto" in compiled layers on CUDA, where Triton runs it (CUDA, or its interpreter) and
     the step fits one tile."""
-    from inference_ref import split_kv_attention as split
-
     kernel = _cached_kernel
     if kernel == "auto":
         kernel = "split" if device_type == "cuda" and compiled else "sdpa"
-    runs = device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    return (
-        kernel == "split"
-        and runs
-        and split.available()
-        and split.fits(new, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-    )
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    return kernel == "split" and runs_on(device_type) and split_kv_fits(new, heads, kv_heads, cfg.head_dim)
 
 
 FLEX_BLOCK = 128

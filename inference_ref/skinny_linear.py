@@ -16,28 +16,18 @@ Triton's interpreter (`TRITON_INTERPRET=1`: the tests).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a build without Triton: `available()` says no and nothing calls the kernel
-    triton = None
+from inference_ref.triton_support import INTERPRETED, runs_on, tl, triton
 
 MAX_ROWS = 64
 """The most rows of x one call takes (the tile `tl.dot` multiplies); more go to cuBLAS."""
 
 
-def available() -> bool:
-    return triton is not None
-
-
 def _candidates(tile: int) -> list[dict]:
     """Block shapes to try for a row tile: (BLOCK_N, BLOCK_K, num_warps, num_stages). One row
     multiplies and sums along K (no tile of 16 rows to fill): narrow blocks, long K steps."""
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter: one small shape, no tuning
+    if INTERPRETED:  # one small shape, no tuning
         shapes = [(16, 64, 4, 1)]
     elif tile == 1:
         shapes = [
@@ -105,18 +95,18 @@ def _block_shape(key: tuple, launch) -> dict:
     if key in _tuned:
         return _tuned[key]
     candidates = _candidates(key[2])
-    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_current_stream_capturing():
+    if INTERPRETED or torch.cuda.is_current_stream_capturing():
         return candidates[0]
-    from triton.testing import do_bench
-
-    times = [_timed(launch, c, do_bench) for c in candidates]
+    times = [_timed(launch, c) for c in candidates]
     if min(times) == float("inf"):
         raise RuntimeError(f"skinny_linear: no block shape runs for {key}")
     _tuned[key] = candidates[times.index(min(times))]
     return _tuned[key]
 
 
-def _timed(launch, shape: dict, do_bench) -> float:
+def _timed(launch, shape: dict) -> float:
+    from triton.testing import do_bench
+
     try:
         return do_bench(lambda: launch(shape), warmup=5, rep=20)
     except Exception:  # noqa: BLE001 (a shape past this GPU's shared memory or registers: not a candidate)
@@ -193,10 +183,8 @@ def _plain(linear: torch.nn.Module) -> bool:
 
 
 def _fits(x: torch.Tensor) -> bool:
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the tests, on a CPU
     return (
-        triton is not None
-        and (x.is_cuda or interpreted)
-        and x.dtype in (torch.bfloat16, torch.float16) + ((torch.float32,) if interpreted else ())
+        runs_on(x.device.type)
+        and x.dtype in (torch.bfloat16, torch.float16) + ((torch.float32,) if INTERPRETED else ())
         and x.numel() <= MAX_ROWS * x.shape[-1]
     )

@@ -21,20 +21,12 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a build without Triton: `available()` says no and nothing calls the kernels
-    triton = None
+from inference_ref.triton_support import tl, triton
 
 MAX_ROWS = 64
 """The most query rows (query heads per K/V head × new tokens) one tile holds."""
 BLOCK_KEYS = 64
 """Keys per loop step of a thread block."""
-
-
-def available() -> bool:
-    return triton is not None
 
 
 def fits(new: int, heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -92,19 +92,21 @@ def check_model_steps(device: str, dtype: torch.dtype, compiled: bool = False) -
     prompt = torch.randint(0, cfg.vocab_size, (3, 40), device=device)
     steps = [torch.randint(0, cfg.vocab_size, (3, n), device=device) for n in (1, 3, 1)]
     results = {}
-    for kernels in (("sdpa", "cublas"), ("split", "skinny")):
-        use_cached_kernel(kernels[0])
-        use_linear_kernel(kernels[1])
-        cache = model.new_cache(3, 64)
-        model.forward_cached(prompt, cache)  # a prefill: SDPA and cuBLAS under both
-        cache.lengths += torch.tensor([40, 25, 33], device=device)  # rows of three lengths
-        states = []
-        for ids in steps:
-            states.append(model.forward_cached(ids, cache, static=True))
-            cache.lengths += ids.shape[1]
-        results[kernels] = (states, cache)
-    use_cached_kernel("auto")
-    use_linear_kernel("auto")
+    try:
+        for kernels in (("sdpa", "cublas"), ("split", "skinny")):
+            use_cached_kernel(kernels[0])
+            use_linear_kernel(kernels[1])
+            cache = model.new_cache(3, 64)
+            model.forward_cached(prompt, cache)  # a prefill: SDPA and cuBLAS under both
+            cache.lengths += torch.tensor([40, 25, 33], device=device)  # rows of three lengths
+            states = []
+            for ids in steps:
+                states.append(model.forward_cached(ids, cache, static=True))
+                cache.lengths += ids.shape[1]
+            results[kernels] = (states, cache)
+    finally:  # the defaults back, for whatever runs next in this process (the GPU tests)
+        use_cached_kernel("auto")
+        use_linear_kernel("auto")
     (want, want_cache), (got, got_cache) = results.values()
     for g, w in zip(got, want):
         assert relative_error(g, w) < 10 * tolerance(dtype), relative_error(g, w)
