@@ -8,7 +8,7 @@ with a head's measured acceptance into projected speed-ups (`mtp_train.projectio
     python -m benchmarks.bench_verify_cost --shape llama3_8b --cached-kernel flex   # FlexAttention
     python -m benchmarks.bench_verify_cost --shape llama3_8b --compiled-layers      # compiled layers
     python -m benchmarks.bench_verify_cost --shape llama3_8b --cached-kernel mixed --compiled-layers
-                                        # SDPA decodes, flex verifies: the default of compiled layers
+                                        # SDPA decodes, flex verifies: the default before "split"
     python -m benchmarks.bench_verify_cost --shape llama3_8b --compiled-layers --autotune --batches 1 8
     python -m benchmarks.bench_verify_cost --shape llama3_8b --compiled-layers --cached-kernel split \
         --linear-kernel skinny       # the Triton kernels: split-key attention, the skinny linear map
@@ -188,7 +188,7 @@ def main() -> None:
         default="sdpa",
         help="the cached attention's kernel (inference_ref.attention.use_cached_kernel); "
         "not sdpa: written to verify_cost_<shape>_<kernel>.json beside sdpa's (the library's own default, auto, "
-        "runs mixed in compiled layers on CUDA)",
+        "runs split in compiled layers on CUDA, mixed for token trees)",
     )
     p.add_argument(
         "--linear-kernel",

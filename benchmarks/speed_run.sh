@@ -24,7 +24,7 @@
 #   k_mixed_skinny  flex verifies with the skinny maps (its first run broke a graph capture);
 #   spec_b*  the speculative loop against its projection.
 # Then the full rerun:
-#   1-3  whole verify steps at the 8B shape, compiled layers: the default (mixed: SDPA decodes,
+#   1-3  whole verify steps at the 8B shape, compiled layers: the previous default (mixed: SDPA decodes,
 #        flex verifies), flex and SDPA alone, one after another on the same machine;
 #   4    the 70B shape, 8 and 16 layers extrapolated, batches 1 and 8 (#36's bar is batches 1-8);
 #   5    Inductor's GEMM and coordinate-descent autotuning, batches 1 and 8;
