@@ -9,6 +9,7 @@
 # deepspeed; without them check_projection and the DeepSpeed check fail on import),
 # then poll from back-to-back calls (the machine goes back 30 s after a call ends, with the run):
 #   bash /root/repo/benchmarks/speed_poll.sh 540
+# SKIP="t k_split_skinny ..." leaves those items out (what an earlier run on the same kind of GPU measured).
 # Each finished benchmark's JSON is copied into $log/results/ at once, so that whatever finished
 # comes back in the next poll.
 # First what #36 still needs (after the 2026-12-05 runs: the Triton kernels met the bars on an H100
@@ -36,13 +37,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${1:-/root/speed}
 mkdir -p "$log/results"
-if ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+wheels=${WHEELS:-.whl}  # WHEELS=.devcache/whl: hydra, omegaconf, antlr4, dill (what the benchmarks import)
+if ls "$wheels"/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$wheels"/*.whl
     export PYTHONPATH=/tmp/site:$PWD
 fi
 touch "$log/started"
 run() {
     local name=$1; shift
+    case " ${SKIP:-} " in *" $name "*) echo "== skip $name"; return;; esac
     echo "== $(date +%T) $name: $*"
     if "$@" > "$log/$name.log" 2>&1; then echo "   $(date +%T) done"; else echo "   $(date +%T) FAILED (see $log/$name.log)"; fi
     find benchmarks/results -name '*.json' -newer "$log/started" -exec cp {} "$log/results/" \;

@@ -26,19 +26,22 @@ MAX_ROWS = 64
 
 def _candidates(tile: int) -> list[dict]:
     """Block shapes to try for a row tile: (BLOCK_N, BLOCK_K, num_warps, num_stages). One row
-    multiplies and sums along K (no tile of 16 rows to fill): narrow blocks, long K steps."""
+    multiplies and sums along K (no tile of 16 rows to fill): narrow blocks, long K steps, and
+    without pipelining stages as well as with them (a plain streaming read may do best with many
+    programs resident per SM and nothing staged through shared memory: Inductor's reductions)."""
     if INTERPRETED:  # one small shape, no tuning
         shapes = [(16, 64, 4, 1)]
     elif tile == 1:
         shapes = [
-            (n, k, w, st)
-            for n, k in ((4, 1024), (8, 512), (8, 1024), (16, 512))
-            for w, st in ((4, 3), (8, 4))
-        ]
+            (2, 2048, 4, 1), (2, 2048, 8, 1), (4, 1024, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 1),
+            (8, 1024, 8, 1), (4, 1024, 4, 3), (4, 1024, 8, 4), (8, 512, 4, 3), (8, 512, 8, 4),
+            (8, 1024, 8, 4), (16, 512, 4, 3), (16, 512, 8, 4),
+        ]  # fmt: skip
     else:
         shapes = [
-            (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 4), (32, 256, 4, 4),
-            (32, 256, 8, 5), (32, 512, 8, 3), (64, 128, 4, 5), (64, 256, 8, 4),
+            (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 4), (32, 256, 4, 4), (32, 256, 8, 5),
+            (32, 512, 8, 3), (64, 128, 4, 5), (64, 256, 8, 4), (16, 128, 4, 3), (32, 128, 4, 4),
+            (64, 64, 4, 6), (128, 64, 4, 4), (128, 128, 8, 3),
         ]  # fmt: skip
     return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st} for n, k, w, st in shapes]
 
@@ -46,21 +49,35 @@ def _candidates(tile: int) -> list[dict]:
 if triton is not None:
 
     @triton.jit
+    def _load_x(X, at, mask, K, GATED: tl.constexpr):
+        # x, or with GATED silu(gate) · up of X = [gate | up] (K features each), computed in fp32
+        # and rounded once to X's dtype, as the compiled MLP's fused SiLU·up kernel does.
+        if GATED:
+            gate = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(X + at + K, mask=mask, other=0.0).to(tl.float32)
+            return (gate * tl.sigmoid(gate) * up).to(X.dtype.element_ty)
+        return tl.load(X + at, mask=mask, other=0.0)
+
+    @triton.jit
     def _skinny_gemm(
         X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        GATED: tl.constexpr,
     ):  # fmt: skip
-        # Output features n of every row m: x[m] · w[n], the input features in BLOCK_K steps.
+        # Output features n of every row m: x[m] · w[n], the input features in BLOCK_K steps. The
+        # weights are read once: evict_first keeps them from pushing x and the next maps' inputs
+        # out of L2.
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         if ROWS == 1:  # a product summed along K, accumulated in fp32
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             for first in range(0, K, BLOCK_K):
                 k = first + tl.arange(0, BLOCK_K)
-                x = tl.load(X + k, mask=k < K, other=0.0)
+                x = _load_x(X, k, k < K, K, GATED)
                 w = tl.load(
                     W + n[:, None] * stride_wn + k[None, :],
                     mask=(n[:, None] < N) & (k[None, :] < K),
                     other=0.0,
+                    eviction_policy="evict_first",
                 )
                 acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             tl.store(Y + n, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=n < N)
@@ -69,15 +86,12 @@ if triton is not None:
             acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
             for first in range(0, K, BLOCK_K):
                 k = first + tl.arange(0, BLOCK_K)
-                x = tl.load(
-                    X + m[:, None] * stride_xm + k[None, :],
-                    mask=(m[:, None] < M) & (k[None, :] < K),
-                    other=0.0,
-                )
+                x = _load_x(X, m[:, None] * stride_xm + k[None, :], (m[:, None] < M) & (k[None, :] < K), K, GATED)
                 w = tl.load(
                     W + n[:, None] * stride_wn + k[None, :],
                     mask=(n[:, None] < N) & (k[None, :] < K),
                     other=0.0,
+                    eviction_policy="evict_first",
                 )
                 acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
             at = Y + m[:, None] * stride_ym + n[None, :]
@@ -85,7 +99,7 @@ if triton is not None:
 
 
 _tuned: dict[tuple, dict] = {}
-"""The block shape chosen per (out features, in features, row tile, dtype, device)."""
+"""The block shape chosen per (out features, in features, row tile, gated, dtype, device)."""
 
 
 def _block_shape(key: tuple, launch) -> dict:
@@ -114,13 +128,17 @@ def _timed(launch, shape: dict) -> float:
 
 
 @torch.library.custom_op("inference_ref::skinny_linear", mutates_args=())
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (at most `MAX_ROWS` rows) @ weight [N, K]ᵀ → [..., N], as `F.linear` without bias."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """x [..., K] (at most `MAX_ROWS` rows) @ weight [N, K]ᵀ → [..., N], as `F.linear` without bias.
+    gated: x is [..., 2K], [gate | up], and the map takes silu(gate) · up (a gated MLP's down_proj,
+    so that the activation needs no kernel of its own)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    rows, features = flat.shape
-    out_features = weight.shape[0]
+    rows = flat.shape[0]
+    out_features, features = weight.shape
+    if flat.shape[1] != (2 if gated else 1) * features:
+        raise ValueError(f"skinny_linear: x has {flat.shape[1]} features, weight {features} (gated={gated})")
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
@@ -130,20 +148,20 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     def launch(shape: dict) -> None:
         _skinny_gemm[(triton.cdiv(out_features, shape["BLOCK_N"]),)](
             flat, weight, y, rows, out_features, features, flat.stride(0), weight.stride(0), y.stride(0),
-            ROWS=tile, PRECISION=precision, **shape,
+            ROWS=tile, PRECISION=precision, GATED=gated, **shape,
         )  # fmt: skip
 
-    launch(_block_shape((out_features, features, tile, x.dtype, x.device), launch))
+    launch(_block_shape((out_features, features, tile, gated, x.dtype, x.device), launch))
     return y.view(*x.shape[:-1], out_features)
 
 
 @skinny_linear.register_fake
-def _(x, weight):
+def _(x, weight, gated=False):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def tuned_configs() -> dict[str, dict]:
-    """The block shape chosen so far per (out features, in features, row tile, dtype, device)."""
+    """The block shape chosen so far per (out features, in features, row tile, gated, dtype, device)."""
     return {str(key): shape for key, shape in _tuned.items()}
 
 
@@ -165,12 +183,25 @@ def project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`linear(x)`, through `skinny_linear` where `use_linear_kernel` says so: a plain bias-free
     `nn.Linear` (not an FP8 or tensor-parallel one, whose modules run their own kernels) on CUDA,
     16-bit, with at most `MAX_ROWS` rows."""
+    if _runs_skinny(linear, x):
+        return skinny_linear(x, linear.weight)
+    return linear(x)
+
+
+def project_gated(linear: torch.nn.Linear, gate_up: torch.Tensor) -> torch.Tensor:
+    """`linear(silu(gate) · up)` of gate_up = [gate | up] (a gated MLP's down_proj), the
+    activation computed inside `skinny_linear`'s loads where `project` would run it."""
+    if _runs_skinny(linear, gate_up):
+        return skinny_linear(gate_up, linear.weight, True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return linear(torch.nn.functional.silu(gate) * up)
+
+
+def _runs_skinny(linear: torch.nn.Module, x: torch.Tensor) -> bool:
     kernel = _linear_kernel
     if kernel == "auto":
         kernel = "skinny" if torch.compiler.is_compiling() else "cublas"
-    if kernel == "skinny" and _plain(linear) and _fits(x):
-        return skinny_linear(x, linear.weight)
-    return linear(x)
+    return kernel == "skinny" and _plain(linear) and _fits(x)
 
 
 def _plain(linear: torch.nn.Module) -> bool:

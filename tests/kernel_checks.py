@@ -66,7 +66,9 @@ def check_split_kv(device: str, dtype: torch.dtype) -> None:
 
 
 def check_skinny(device: str, dtype: torch.dtype) -> None:
-    """Rows 1–64 (leading dimensions kept), features not multiples of the tiles."""
+    """Rows 1–64 (leading dimensions kept), features not multiples of the tiles; plain and gated
+    (silu(gate) · up of x = [gate | up], against the activation rounded to the dtype, as it is
+    before the map)."""
     torch.manual_seed(0)
     cases = [((1, 1, 96), 40), ((3, 5, 64), 33), ((64, 128), 48), ((2, 100), 17), ((7, 256), 520)]
     for x_shape, out_features in cases:
@@ -76,8 +78,15 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
         assert got.shape == (*x_shape[:-1], out_features)
         err = relative_error(got, F.linear(x.double(), w.double()))
         assert err < tolerance(dtype), (x_shape, out_features, err)
+        gate_up = torch.randn(*x_shape[:-1], 2 * x_shape[-1], device=device, dtype=dtype)
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        activation = (F.silu(gate) * up).to(dtype).double()
+        err = relative_error(skinny_linear(gate_up, w, True), F.linear(activation, w.double()))
+        assert err < tolerance(dtype), ("gated", x_shape, out_features, err)
     x, w = torch.randn(3, 40, device=device, dtype=dtype), torch.randn(24, 40, device=device, dtype=dtype)
     torch.library.opcheck(skinny_linear, (x, w), test_utils=("test_schema", "test_faketensor"))
+    gate_up = torch.randn(3, 80, device=device, dtype=dtype)
+    torch.library.opcheck(skinny_linear, (gate_up, w, True), test_utils=("test_schema", "test_faketensor"))
 
 
 @torch.inference_mode()

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inference_ref.attention import cached_attention, packed_causal_attention
@@ -26,7 +25,7 @@ from inference_ref.causal_lm import (
     eos_token_ids,
 )
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, init_random, read_tensors, safetensors_files
-from inference_ref.skinny_linear import project
+from inference_ref.skinny_linear import project, project_gated
 from inference_ref.split_kv_attention import split_kv_attention
 
 # ---------------------------------------------------------------------------------------------
@@ -231,8 +230,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)
-        return project(self.down_proj, F.silu(gate) * up)
+        return project_gated(self.down_proj, project(self.gate_up_proj, x))
 
 
 class DecoderLayer(nn.Module):
