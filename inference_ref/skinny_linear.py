@@ -33,6 +33,7 @@ def _candidates(tile: int) -> list[dict]:
         shapes = [(16, 64, 4, 1)]
     elif tile == 1:
         shapes = [
+            (1, 2048, 4, 1), (1, 4096, 8, 1), (1, 4096, 16, 1), (2, 4096, 8, 1),
             (2, 2048, 4, 1), (2, 2048, 8, 1), (4, 1024, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 1),
             (8, 1024, 8, 1), (4, 1024, 4, 3), (4, 1024, 8, 4), (8, 512, 4, 3), (8, 512, 8, 4),
             (8, 1024, 8, 4), (16, 512, 4, 3), (16, 512, 8, 4),
@@ -50,8 +51,8 @@ if triton is not None:
 
     @triton.jit
     def _load_x(X, at, mask, K, GATED: tl.constexpr):
-        # x, or with GATED silu(gate) · up of X = [gate | up] (K features each), computed in fp32
-        # and rounded once to X's dtype, as the compiled MLP's fused SiLU·up kernel does.
+        # x, or with GATED silu(gate) · up of X = [gate | up] (K features each; one row), computed
+        # in fp32 and rounded once to X's dtype, as the compiled MLP's fused SiLU·up kernel does.
         if GATED:
             gate = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(X + at + K, mask=mask, other=0.0).to(tl.float32)
@@ -86,7 +87,11 @@ if triton is not None:
             acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
             for first in range(0, K, BLOCK_K):
                 k = first + tl.arange(0, BLOCK_K)
-                x = _load_x(X, m[:, None] * stride_xm + k[None, :], (m[:, None] < M) & (k[None, :] < K), K, GATED)
+                x = tl.load(
+                    X + m[:, None] * stride_xm + k[None, :],
+                    mask=(m[:, None] < M) & (k[None, :] < K),
+                    other=0.0,
+                )
                 w = tl.load(
                     W + n[:, None] * stride_wn + k[None, :],
                     mask=(n[:, None] < N) & (k[None, :] < K),
@@ -130,15 +135,18 @@ def _timed(launch, shape: dict) -> float:
 @torch.library.custom_op("inference_ref::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """x [..., K] (at most `MAX_ROWS` rows) @ weight [N, K]ᵀ → [..., N], as `F.linear` without bias.
-    gated: x is [..., 2K], [gate | up], and the map takes silu(gate) · up (a gated MLP's down_proj,
-    so that the activation needs no kernel of its own)."""
+    gated: x is one row [..., 2K], [gate | up], and the map takes silu(gate) · up (a gated MLP's
+    down_proj at batch 1, so that the activation needs no kernel of its own). One row only: computed
+    inside the tile of `tl.dot` it made the maps of 2–64 rows 2× slower on an H200."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     rows = flat.shape[0]
     out_features, features = weight.shape
-    if flat.shape[1] != (2 if gated else 1) * features:
-        raise ValueError(f"skinny_linear: x has {flat.shape[1]} features, weight {features} (gated={gated})")
+    if flat.shape[1] != (2 if gated else 1) * features or (gated and rows != 1):
+        raise ValueError(
+            f"skinny_linear: x {tuple(x.shape)} for weight {tuple(weight.shape)} (gated={gated})"
+        )
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
@@ -190,11 +198,11 @@ def project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def project_gated(linear: torch.nn.Linear, gate_up: torch.Tensor) -> torch.Tensor:
     """`linear(silu(gate) · up)` of gate_up = [gate | up] (a gated MLP's down_proj), the
-    activation computed inside `skinny_linear`'s loads where `project` would run it."""
-    if _runs_skinny(linear, gate_up):
+    activation computed inside `skinny_linear`'s loads for one row where `project` would run it."""
+    if gate_up.numel() == gate_up.shape[-1] and _runs_skinny(linear, gate_up):
         return skinny_linear(gate_up, linear.weight, True)
     gate, up = gate_up.chunk(2, dim=-1)
-    return linear(torch.nn.functional.silu(gate) * up)
+    return project(linear, torch.nn.functional.silu(gate) * up)
 
 
 def _runs_skinny(linear: torch.nn.Module, x: torch.Tensor) -> bool:

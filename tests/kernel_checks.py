@@ -78,36 +78,45 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
         assert got.shape == (*x_shape[:-1], out_features)
         err = relative_error(got, F.linear(x.double(), w.double()))
         assert err < tolerance(dtype), (x_shape, out_features, err)
-        gate_up = torch.randn(*x_shape[:-1], 2 * x_shape[-1], device=device, dtype=dtype)
+    for features, out_features in ((96, 40), (4096, 24), (100, 17)):  # gated: one row
+        gate_up = torch.randn(1, 1, 2 * features, device=device, dtype=dtype)
+        w = torch.randn(out_features, features, device=device, dtype=dtype)
         gate, up = gate_up.double().chunk(2, dim=-1)
         activation = (F.silu(gate) * up).to(dtype).double()
         err = relative_error(skinny_linear(gate_up, w, True), F.linear(activation, w.double()))
-        assert err < tolerance(dtype), ("gated", x_shape, out_features, err)
+        assert err < tolerance(dtype), ("gated", features, out_features, err)
     x, w = torch.randn(3, 40, device=device, dtype=dtype), torch.randn(24, 40, device=device, dtype=dtype)
     torch.library.opcheck(skinny_linear, (x, w), test_utils=("test_schema", "test_faketensor"))
-    gate_up = torch.randn(3, 80, device=device, dtype=dtype)
+    gate_up = torch.randn(1, 80, device=device, dtype=dtype)
     torch.library.opcheck(skinny_linear, (gate_up, w, True), test_utils=("test_schema", "test_faketensor"))
 
 
 @torch.inference_mode()
 def check_model_steps(device: str, dtype: torch.dtype, compiled: bool = False) -> None:
     """A Llama target's decode and verify steps through both kernels equal SDPA's and cuBLAS's on
-    the same cache: rows of three lengths, 1 and 3 new tokens, the states and the cache writes."""
+    the same cache: rows of three lengths, and one row (whose decode takes the gated down_proj),
+    1 and 3 new tokens, the states and the cache writes."""
     cfg = tiny_llama()
     model = random_llama(cfg, device, dtype, seed=0)
     if compiled:
         model.compile_layers()
+    for lengths in ([40, 25, 33], [30]):
+        check_steps(model, torch.tensor(lengths, device=device), dtype)
+
+
+def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
     torch.manual_seed(1)
-    prompt = torch.randint(0, cfg.vocab_size, (3, 40), device=device)
-    steps = [torch.randint(0, cfg.vocab_size, (3, n), device=device) for n in (1, 3, 1)]
+    rows, device, vocab = len(lengths), lengths.device, model.cfg.vocab_size
+    prompt = torch.randint(0, vocab, (rows, 40), device=device)
+    steps = [torch.randint(0, vocab, (rows, n), device=device) for n in (1, 3, 1)]
     results = {}
     try:
         for kernels in (("sdpa", "cublas"), ("split", "skinny")):
             use_cached_kernel(kernels[0])
             use_linear_kernel(kernels[1])
-            cache = model.new_cache(3, 64)
+            cache = model.new_cache(rows, 64)
             model.forward_cached(prompt, cache)  # a prefill: SDPA and cuBLAS under both
-            cache.lengths += torch.tensor([40, 25, 33], device=device)  # rows of three lengths
+            cache.lengths += lengths  # rows of their own lengths
             states = []
             for ids in steps:
                 states.append(model.forward_cached(ids, cache, static=True))
@@ -118,7 +127,7 @@ def check_model_steps(device: str, dtype: torch.dtype, compiled: bool = False) -
         use_linear_kernel("auto")
     (want, want_cache), (got, got_cache) = results.values()
     for g, w in zip(got, want):
-        assert relative_error(g, w) < 10 * tolerance(dtype), relative_error(g, w)
+        assert relative_error(g, w) < 10 * tolerance(dtype), (rows, relative_error(g, w))
     assert relative_error(got_cache.k, want_cache.k) < 10 * tolerance(dtype)
     assert relative_error(got_cache.v, want_cache.v) < 10 * tolerance(dtype)
 
