@@ -7,7 +7,9 @@ o_proj and down_proj over thread blocks and summing the parts in a second kernel
 weight rows once, for every row of x at once (`tl.dot` on a tile of 16 to `MAX_ROWS` rows; one row
 is multiplied and summed along K): one kernel per map, the weights read once whatever the rows.
 The block shape is timed once per (map shape, row tile), on the first call outside a CUDA graph's
-capture (a fraction of a second per map shape; `_block_shape`).
+capture (a few seconds per map shape, mostly Triton compiling each candidate; `_block_shape`).
+For one row, a gated MLP's down_proj takes [gate | up] and computes SiLU·up in its loads
+(`project_gated`): one kernel fewer per layer.
 
 A custom op, so that torch.compile calls it as it is (Inductor would otherwise fuse the map's
 producers into it and recompute them per output block). Runs on CUDA, and on a CPU under
