@@ -81,6 +81,10 @@ def main(result: Path) -> None:
         results.update(compare(name, whole, sharded, head_dir, prompts))
     if dist.get_rank() == 0:
         result.write_text(json.dumps(results, indent=1))
+    # Both ranks done before either tears its groups down. Without this barrier rank 0 aborted
+    # once in CI after the checks (2026-12-05; SIGABRT, "terminate called without an active
+    # exception": a gloo thread left unjoined); a peer tearing down first is the likely cause.
+    dist.barrier()
     dist.destroy_process_group()
 
 
