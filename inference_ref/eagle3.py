@@ -39,7 +39,7 @@ class Eagle3DecoderLayer(nn.Module):
         e, g = x.chunk(2, -1)
         a = torch.cat([self.input_layernorm(e), self.hidden_norm(g)], -1)
         y = g + self.self_attn.forward_cached(a, cos, sin, k_cache, v_cache, slots, mask)
-        return y + self.mlp(self.post_attention_layernorm(y))
+        return self.mlp(self.post_attention_layernorm(y), residual=y)
 
 
 class Eagle3Draft(Draft):

@@ -35,7 +35,8 @@ def _candidates(tile: int) -> list[dict]:
         shapes = [(16, 64, 4, 1)]
     elif tile == 1:
         shapes = [
-            (1, 2048, 4, 1), (1, 4096, 8, 1), (1, 4096, 16, 1), (2, 4096, 8, 1),
+            (1, 2048, 4, 1), (1, 2048, 8, 1), (1, 2048, 16, 1), (1, 4096, 8, 1), (1, 4096, 16, 1),
+            (2, 4096, 8, 1),
             (2, 2048, 4, 1), (2, 2048, 8, 1), (4, 1024, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 1),
             (8, 1024, 8, 1), (4, 1024, 4, 3), (4, 1024, 8, 4), (8, 512, 4, 3), (8, 512, 8, 4),
             (8, 1024, 8, 4), (16, 512, 4, 3), (16, 512, 8, 4),
@@ -63,13 +64,13 @@ if triton is not None:
 
     @triton.jit
     def _skinny_gemm(
-        X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+        X, W, Y, R, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        GATED: tl.constexpr,
+        GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     ):  # fmt: skip
-        # Output features n of every row m: x[m] · w[n], the input features in BLOCK_K steps. The
-        # weights are read once: evict_first keeps them from pushing x and the next maps' inputs
-        # out of L2.
+        # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL), the input
+        # features in BLOCK_K steps. The weights are read once: evict_first keeps them from pushing
+        # x and the next maps' inputs out of L2.
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         if ROWS == 1:  # a product summed along K, accumulated in fp32
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -83,7 +84,10 @@ if triton is not None:
                     eviction_policy="evict_first",
                 )
                 acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            tl.store(Y + n, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=n < N)
+            y = tl.sum(acc, 1)
+            if RESIDUAL:
+                y += tl.load(R + n, mask=n < N, other=0.0).to(tl.float32)
+            tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
         else:
             m = tl.arange(0, ROWS)
             acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
@@ -101,8 +105,10 @@ if triton is not None:
                     eviction_policy="evict_first",
                 )
                 acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-            at = Y + m[:, None] * stride_ym + n[None, :]
-            tl.store(at, acc.to(Y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+            inside = (m[:, None] < M) & (n[None, :] < N)
+            if RESIDUAL:
+                acc += tl.load(R + m[:, None] * stride_rm + n[None, :], mask=inside, other=0.0).to(tl.float32)
+            tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=inside)
 
 
 _tuned: dict[tuple, dict] = {}
@@ -129,17 +135,22 @@ def _timed(launch, shape: dict) -> float:
     from triton.testing import do_bench
 
     try:
-        return do_bench(lambda: launch(shape), warmup=5, rep=20)
+        # the median: a map of 10–15 µs is near the launch's own noise
+        return do_bench(lambda: launch(shape), warmup=5, rep=20, return_mode="median")
     except Exception:  # noqa: BLE001 (a shape past this GPU's shared memory or registers: not a candidate)
         return float("inf")
 
 
 @torch.library.custom_op("inference_ref::skinny_linear", mutates_args=())
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., K] (at most `MAX_ROWS` rows) @ weight [N, K]ᵀ → [..., N], as `F.linear` without bias.
     gated: x is one row [..., 2K], [gate | up], and the map takes silu(gate) · up (a gated MLP's
     down_proj at batch 1, so that the activation needs no kernel of its own). One row only: computed
-    inside the tile of `tl.dot` it made the maps of 2–64 rows 2× slower on an H200."""
+    inside the tile of `tl.dot` it made the maps of 2–64 rows 2× slower on an H200.
+    residual [..., N]: added to the product in fp32 before the one rounding (the layer's last
+    residual add, which would otherwise be a kernel of its own)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
@@ -152,21 +163,26 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) ->
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
+    r = y if residual is None else residual.reshape(rows, out_features)
+    if r.stride(-1) != 1:
+        r = r.contiguous()
     tile = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))  # tl.dot takes 16 rows or more
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit dots
 
     def launch(shape: dict) -> None:
         _skinny_gemm[(triton.cdiv(out_features, shape["BLOCK_N"]),)](
-            flat, weight, y, rows, out_features, features, flat.stride(0), weight.stride(0), y.stride(0),
-            ROWS=tile, PRECISION=precision, GATED=gated, **shape,
+            flat, weight, y, r, rows, out_features, features,
+            flat.stride(0), weight.stride(0), y.stride(0), r.stride(0),
+            ROWS=tile, PRECISION=precision, GATED=gated, RESIDUAL=residual is not None, **shape,
         )  # fmt: skip
 
     launch(_block_shape((out_features, features, tile, gated, x.dtype, x.device), launch))
+    # (one block shape whether or not a residual is added: the epilogue reads N values per row)
     return y.view(*x.shape[:-1], out_features)
 
 
 @skinny_linear.register_fake
-def _(x, weight, gated=False):
+def _(x, weight, gated=False, residual=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -198,13 +214,20 @@ def project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x)
 
 
-def project_gated(linear: torch.nn.Linear, gate_up: torch.Tensor) -> torch.Tensor:
-    """`linear(silu(gate) · up)` of gate_up = [gate | up] (a gated MLP's down_proj), the
-    activation computed inside `skinny_linear`'s loads for one row where `project` would run it."""
-    if gate_up.numel() == gate_up.shape[-1] and _runs_skinny(linear, gate_up):
-        return skinny_linear(gate_up, linear.weight, True)
+def project_gated(
+    linear: torch.nn.Linear, gate_up: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`residual + linear(silu(gate) · up)` of gate_up = [gate | up] (a gated MLP's down_proj;
+    no residual: the map alone). Where `project` would run `skinny_linear`, the residual is added
+    in its epilogue, and for one row the activation is computed in its loads."""
+    if not _runs_skinny(linear, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = linear(torch.nn.functional.silu(gate) * up)
+        return out if residual is None else residual + out
+    if gate_up.numel() == gate_up.shape[-1]:
+        return skinny_linear(gate_up, linear.weight, True, residual)
     gate, up = gate_up.chunk(2, dim=-1)
-    return project(linear, torch.nn.functional.silu(gate) * up)
+    return skinny_linear(torch.nn.functional.silu(gate) * up, linear.weight, False, residual)
 
 
 def _runs_skinny(linear: torch.nn.Module, x: torch.Tensor) -> bool:

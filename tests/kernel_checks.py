@@ -68,7 +68,7 @@ def check_split_kv(device: str, dtype: torch.dtype) -> None:
 def check_skinny(device: str, dtype: torch.dtype) -> None:
     """Rows 1–64 (leading dimensions kept), features not multiples of the tiles; plain and gated
     (silu(gate) · up of x = [gate | up], against the activation rounded to the dtype, as it is
-    before the map)."""
+    before the map), with and without a residual added."""
     torch.manual_seed(0)
     cases = [((1, 1, 96), 40), ((3, 5, 64), 33), ((64, 128), 48), ((2, 100), 17), ((7, 256), 520)]
     for x_shape, out_features in cases:
@@ -78,6 +78,11 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
         assert got.shape == (*x_shape[:-1], out_features)
         err = relative_error(got, F.linear(x.double(), w.double()))
         assert err < tolerance(dtype), (x_shape, out_features, err)
+        residual = torch.randn(*x_shape[:-1], out_features, device=device, dtype=dtype)
+        err = relative_error(
+            skinny_linear(x, w, False, residual), F.linear(x.double(), w.double()) + residual
+        )
+        assert err < tolerance(dtype), ("residual", x_shape, out_features, err)
     for features, out_features in ((96, 40), (4096, 24), (100, 17)):  # gated: one row
         gate_up = torch.randn(1, 1, 2 * features, device=device, dtype=dtype)
         w = torch.randn(out_features, features, device=device, dtype=dtype)
@@ -85,10 +90,18 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
         activation = (F.silu(gate) * up).to(dtype).double()
         err = relative_error(skinny_linear(gate_up, w, True), F.linear(activation, w.double()))
         assert err < tolerance(dtype), ("gated", features, out_features, err)
+        residual = torch.randn(1, 1, out_features, device=device, dtype=dtype)
+        want = F.linear(activation, w.double()) + residual
+        err = relative_error(skinny_linear(gate_up, w, True, residual), want)
+        assert err < tolerance(dtype), ("gated, residual", features, out_features, err)
     x, w = torch.randn(3, 40, device=device, dtype=dtype), torch.randn(24, 40, device=device, dtype=dtype)
     torch.library.opcheck(skinny_linear, (x, w), test_utils=("test_schema", "test_faketensor"))
     gate_up = torch.randn(1, 80, device=device, dtype=dtype)
     torch.library.opcheck(skinny_linear, (gate_up, w, True), test_utils=("test_schema", "test_faketensor"))
+    residual = torch.randn(3, 24, device=device, dtype=dtype)
+    torch.library.opcheck(
+        skinny_linear, (x, w, False, residual), test_utils=("test_schema", "test_faketensor")
+    )
 
 
 @torch.inference_mode()

@@ -229,8 +229,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project_gated(self.down_proj, project(self.gate_up_proj, x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """mlp(x), plus `residual` if given: in the down_proj kernel's epilogue where it has one."""
+        return project_gated(self.down_proj, project(self.gate_up_proj, x), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -243,12 +244,12 @@ class DecoderLayer(nn.Module):
 
     def forward_packed(self, x, cos, sin, cu_seqlens, max_len):
         x = x + self.self_attn.forward_packed(self.input_layernorm(x), cos, sin, cu_seqlens, max_len)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
     def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask):
         h = self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, k_cache, v_cache, slots, mask)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaModel(CausalLM):

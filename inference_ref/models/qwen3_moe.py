@@ -104,9 +104,11 @@ class SparseMoE(nn.Module):
         self.router = Router(cfg)
         self.experts = Experts(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' mix of x, plus `residual` if given (as `llama.MLP`: the layer's last add)."""
         flat = x.reshape(-1, x.shape[-1])
-        return self.experts(flat, *self.router(flat)).view_as(x)
+        out = self.experts(flat, *self.router(flat)).view_as(x)
+        return out if residual is None else residual + out
 
 
 def decoder_layer(cfg: Qwen3MoeConfig, i: int) -> llama.DecoderLayer:
