@@ -220,7 +220,7 @@ def project_gated(
     """`residual + linear(silu(gate) · up)` of gate_up = [gate | up] (a gated MLP's down_proj;
     no residual: the map alone). Where `project` would run `skinny_linear`, the residual is added
     in its epilogue, and for one row the activation is computed in its loads."""
-    if not _runs_skinny(linear, gate_up):
+    if not _runs_skinny(linear, gate_up) or (residual is not None and residual.dtype != gate_up.dtype):
         gate, up = gate_up.chunk(2, dim=-1)
         out = linear(torch.nn.functional.silu(gate) * up)
         return out if residual is None else residual + out
