@@ -8,8 +8,8 @@ weight rows once, for every row of x at once (`tl.dot` on a tile of 16 to `MAX_R
 is multiplied and summed along K): one kernel per map, the weights read once whatever the rows.
 The block shape is timed once per (map shape, row tile), on the first call outside a CUDA graph's
 capture (a few seconds per map shape, mostly Triton compiling each candidate; `_block_shape`).
-For one row, a gated MLP's down_proj takes [gate | up] and computes SiLU·up in its loads
-(`project_gated`): one kernel fewer per layer.
+A gated MLP's down_proj adds the layer's residual in its epilogue, and for one row takes
+[gate | up] and computes SiLU·up in its loads (`project_gated`): two kernels fewer per layer.
 
 A custom op, so that torch.compile calls it as it is (Inductor would otherwise fuse the map's
 producers into it and recompute them per output block). Runs on CUDA, and on a CPU under
