@@ -44,7 +44,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${1:-/root/speed}
 mkdir -p "$log/results"
-wheels=${WHEELS:-.whl}  # WHEELS=.devcache/whl: hydra, omegaconf, antlr4, dill (what the benchmarks import)
+wheels=${WHEELS:-.whl}  # WHEELS=/root/whl: the four wheels the benchmarks import (see the header)
 if ls "$wheels"/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$wheels"/*.whl
     export PYTHONPATH=/tmp/site:$PWD

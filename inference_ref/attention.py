@@ -230,11 +230,16 @@ def use_cached_kernel(name: str) -> None:
 def kernel_for(new: int, device_type: str, compiled: bool, kernel: str | None = None) -> str:
     """ "sdpa" or "flex": what `kernel` (the one chosen by `use_cached_kernel` when None) runs for
     `new` query tokens per row on `device_type`, inside compiled layers or not."""
-    kernel = kernel or _cached_kernel
-    if kernel == "auto":  # the measured configuration only: compiled layers on CUDA
-        kernel = "mixed" if device_type == "cuda" and compiled else "sdpa"
+    kernel = _resolved(kernel or _cached_kernel, device_type, compiled)
     if kernel in ("mixed", "split"):  # "split": what its kernel does not take (`uses_split_kv`)
         return "flex" if 1 < new <= FLEX_MAX_NEW else "sdpa"
+    return kernel
+
+
+def _resolved(kernel: str, device_type: str, compiled: bool) -> str:
+    """What "auto" stands for: the measured configuration only, compiled layers on CUDA."""
+    if kernel == "auto":
+        return "split" if device_type == "cuda" and compiled else "sdpa"
     return kernel
 
 
@@ -243,9 +248,7 @@ def uses_split_kv(new: int, cfg, device_type: str, compiled: bool) -> bool:
     counts and size) runs `split_kv_attention` (the caller passes no mask then): under "split", and
     under "auto" in compiled layers on CUDA, where Triton runs it (CUDA, or its interpreter) and
     the step fits one tile."""
-    kernel = _cached_kernel
-    if kernel == "auto":
-        kernel = "split" if device_type == "cuda" and compiled else "sdpa"
+    kernel = _resolved(_cached_kernel, device_type, compiled)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     return kernel == "split" and runs_on(device_type) and split_kv_fits(new, heads, kv_heads, cfg.head_dim)
 

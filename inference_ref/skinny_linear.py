@@ -176,8 +176,8 @@ def skinny_linear(
             ROWS=tile, PRECISION=precision, GATED=gated, RESIDUAL=residual is not None, **shape,
         )  # fmt: skip
 
+    # one block shape whether or not a residual is added: the epilogue reads N values per row
     launch(_block_shape((out_features, features, tile, gated, x.dtype, x.device), launch))
-    # (one block shape whether or not a residual is added: the epilogue reads N values per row)
     return y.view(*x.shape[:-1], out_features)
 
 
@@ -220,14 +220,15 @@ def project_gated(
     """`residual + linear(silu(gate) · up)` of gate_up = [gate | up] (a gated MLP's down_proj;
     no residual: the map alone). Where `project` would run `skinny_linear`, the residual is added
     in its epilogue, and for one row the activation is computed in its loads."""
-    if not _runs_skinny(linear, gate_up) or (residual is not None and residual.dtype != gate_up.dtype):
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = linear(torch.nn.functional.silu(gate) * up)
-        return out if residual is None else residual + out
-    if gate_up.numel() == gate_up.shape[-1]:
+    fused = _runs_skinny(linear, gate_up) and (residual is None or residual.dtype == gate_up.dtype)
+    if fused and gate_up.numel() == gate_up.shape[-1]:
         return skinny_linear(gate_up, linear.weight, True, residual)
     gate, up = gate_up.chunk(2, dim=-1)
-    return skinny_linear(torch.nn.functional.silu(gate) * up, linear.weight, False, residual)
+    activation = torch.nn.functional.silu(gate) * up
+    if fused:
+        return skinny_linear(activation, linear.weight, False, residual)
+    out = linear(activation)
+    return out if residual is None else residual + out
 
 
 def _runs_skinny(linear: torch.nn.Module, x: torch.Tensor) -> bool:
