@@ -12,6 +12,8 @@ with a head's measured acceptance into projected speed-ups (`mtp_train.projectio
     python -m benchmarks.bench_verify_cost --shape llama3_8b --compiled-layers --autotune --batches 1 8
     python -m benchmarks.bench_verify_cost --shape llama3_8b --compiled-layers --cached-kernel split \
         --linear-kernel skinny       # the Triton kernels: split-key attention, the skinny linear map
+                                     # (with the layer's norms, rotary, cache writes, adds folded in;
+                                     # --unfolded: the maps alone)
 
 A shape too large for one GPU is measured with fewer layers, twice (`--layers A B`), and the full
 depth extrapolated linearly: cost(L) = cost(A) + (L − A) · (cost(B) − cost(A)) / (B − A); the
@@ -198,6 +200,13 @@ def main() -> None:
         "not cublas: _<kernel> added to the file name (the library's own default, auto, runs skinny in "
         "compiled layers)",
     )
+    p.add_argument(
+        "--unfolded",
+        action="store_true",
+        help="with --linear-kernel skinny: the maps alone, the layer's norms, rotary, cache writes, "
+        "SiLU·up and residual adds in the compiled layer's own kernels (use_linear_kernel's folds=False); "
+        "_unfolded added to the file name",
+    )
     p.add_argument("--tag", default="", help="added to the file name (a partial grid, another device)")
     p.add_argument("--new-tokens", type=int, nargs="+", default=list(NEW_TOKENS), help="per row, 1 = decode")
     p.add_argument(
@@ -228,7 +237,7 @@ def main() -> None:
     if args.autotune:
         inductor_autotune()
     use_cached_kernel(args.cached_kernel)
-    use_linear_kernel(args.linear_kernel)
+    use_linear_kernel(args.linear_kernel, folds=not args.unfolded)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
     measured, profiles = {}, None
@@ -259,6 +268,7 @@ def main() -> None:
     suffix = (
         ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}")
         + ("" if args.linear_kernel == "cublas" else f"_{args.linear_kernel}")
+        + ("_unfolded" if args.unfolded else "")
         + ("_compiled" if args.compiled_layers else "")
         + ("_autotuned" if args.autotune else "")
         + ("_profiled" if args.profile else "")  # its own file: a profiled run times fewer batches
@@ -271,6 +281,7 @@ def main() -> None:
             "shape": args.shape,
             "cached_kernel": args.cached_kernel,
             "linear_kernel": args.linear_kernel,
+            "folded": not args.unfolded,
             "skinny_configs": tuned_configs(),
             "compiled_layers": args.compiled_layers,
             "autotune": args.autotune,

@@ -18,16 +18,19 @@
 # First what #36 still needs, so that a short device budget gets it. After the 2026-12-05 runs the
 # kernels meet every verify and decode bar on an H100 at both shapes. The H200 is short: decode at
 # batch 1 reads at 72.4 % (75 % asked), and 6-8-token verifies at batch 8 cost 1.10-1.17x (1.1x).
-# Since its last H200 run the skinny map has the residual add in its epilogue, the gated one-row
-# down_proj and more block shapes. Run on an H200 (with `kind: nvidia-h200`; name the file suffix):
+# Since its last H200 run the skinny maps take the layer's work around them (2026-12-05, third
+# session, never yet on a GPU): the RMSNorms in the loads of q|k|v and gate_up, q|k|v's rotary and
+# cache writes in its epilogue (`qkv_rope_cache`), the residual adds in o_proj's and down_proj's:
+# 6 kernels a layer fewer than run 2's 12 at batch 1. Run on an H200 (with `kind: nvidia-h200`;
+# name the file suffix):
+#   t    first: the Triton kernels' GPU tests (bf16 against PyTorch's, compiled target steps; about
+#        2 minutes: each block shape compiles once), since the folded kernels never ran on a GPU;
 #   k*   whole decode and verify steps at the 8B shape, batches 1 and 8, with the kernels (split-key
-#        attention, the skinny linear map: the default) against mixed attention and cuBLAS, one
-#        after another on the same machine;
+#        attention, the skinny linear map with the layer folded in: the default), with the maps
+#        alone (--unfolded), and mixed attention with cuBLAS, one after another on the same machine;
 #   p    the decode step and the 8-token verify with the kernels, profiled by kernel kind;
 #   k70* the same at the 70B shape (8 and 16 layers, extrapolated);
 #   g    each map alone: cuBLAS, Inductor's reduction, the skinny kernel;
-#   t    the Triton kernels' GPU tests (bf16 against PyTorch's, compiled target steps; 2 minutes:
-#        each block shape compiles once);
 #   decode64  decoding at batch 64 against HF generate with the new defaults (#36: >= 10x);
 #   k_mixed_skinny  flex verifies with the skinny maps;
 #   spec_b*  the speculative loop against its projection.
@@ -60,14 +63,15 @@ run() {
 v="python -m benchmarks.bench_verify_cost"
 # what #36 still needs first (see above), then the full rerun
 k="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 3 4 6 8 --tag kernels"
+run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny
+run k_split_skinny_unfolded $k --cached-kernel split --linear-kernel skinny --unfolded
 run k_mixed_cublas $k --cached-kernel mixed --linear-kernel cublas
 run p $v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 8 --profile --cached-kernel split --linear-kernel skinny
 k70="$v --shape llama3_70b --layers 8 16 --compiled-layers --batches 1 8 --new-tokens 1 2 4 6 8 --tag kernels"
 run k70_split_skinny $k70 --cached-kernel split --linear-kernel skinny
 run k70_mixed_cublas $k70 --cached-kernel mixed --linear-kernel cublas
 run g python -m benchmarks.bench_gemv --shape llama3_8b
-run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run decode64 python -m benchmarks.bench_decode --shape llama3_8b --batch 64 --new 128 --variants graph_compiled
 run k_mixed_skinny $k --cached-kernel mixed --linear-kernel skinny
 run spec_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128

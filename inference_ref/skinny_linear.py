@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from inference_ref.causal_lm import RMSNorm
 from inference_ref.triton_support import INTERPRETED, runs_on, tl, triton
 
 MAX_ROWS = 64
@@ -63,65 +64,152 @@ if triton is not None:
         return tl.load(X + at, mask=mask, other=0.0)
 
     @triton.jit
-    def _skinny_gemm(
-        X, W, Y, R, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+    def _row_product(
+        X, W, G, n, N, K, stride_wn, eps,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
     ):  # fmt: skip
-        # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL), the input
-        # features in BLOCK_K steps. The weights are read once: evict_first keeps them from pushing
-        # x and the next maps' inputs out of L2.
+        # x · w[n] of one row x, [BLOCK_N] in fp32: multiplied and summed along K, in BLOCK_K steps.
+        # NORM: of rms_norm(x) · G instead, the sum of squares gathered from the same loads and
+        # 1/rms applied to the sums. The weights are read once: evict_first keeps them from
+        # pushing x and the next maps' inputs out of L2.
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for first in range(0, K, BLOCK_K):
+            k = first + tl.arange(0, BLOCK_K)
+            x = _load_x(X, k, k < K, K, GATED).to(tl.float32)
+            if NORM:
+                squares += x * x
+                x = x * tl.load(G + k, mask=k < K, other=0.0).to(tl.float32)
+            w = tl.load(
+                W + n[:, None] * stride_wn + k[None, :],
+                mask=(n[:, None] < N) & (k[None, :] < K),
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, 1)
+        if NORM:
+            y = y * tl.rsqrt(tl.sum(squares, 0) / K + eps)
+        return y
+
+    @triton.jit
+    def _tile_product(
+        X, W, G, n, M, N, K, stride_xm, stride_wn, eps,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        NORM: tl.constexpr,
+    ):  # fmt: skip
+        # x[m] · w[n] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`). NORM: as
+        # `_row_product`, each row's x · G rounded to X's dtype for the dot.
+        m = tl.arange(0, ROWS)
+        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        squares = tl.zeros([ROWS], tl.float32)
+        for first in range(0, K, BLOCK_K):
+            k = first + tl.arange(0, BLOCK_K)
+            x = tl.load(
+                X + m[:, None] * stride_xm + k[None, :],
+                mask=(m[:, None] < M) & (k[None, :] < K),
+                other=0.0,
+            )
+            if NORM:
+                xf = x.to(tl.float32)
+                squares += tl.sum(xf * xf, 1)
+                g = tl.load(G + k, mask=k < K, other=0.0).to(tl.float32)
+                x = (xf * g[None, :]).to(X.dtype.element_ty)
+            w = tl.load(
+                W + n[:, None] * stride_wn + k[None, :],
+                mask=(n[:, None] < N) & (k[None, :] < K),
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        if NORM:
+            acc = acc * tl.rsqrt(squares / K + eps)[:, None]
+        return acc
+
+    @triton.jit
+    def _skinny_gemm(
+        X, W, Y, R, G, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        GATED: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+    ):  # fmt: skip
+        # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL).
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if ROWS == 1:  # a product summed along K, accumulated in fp32
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            for first in range(0, K, BLOCK_K):
-                k = first + tl.arange(0, BLOCK_K)
-                x = _load_x(X, k, k < K, K, GATED)
-                w = tl.load(
-                    W + n[:, None] * stride_wn + k[None, :],
-                    mask=(n[:, None] < N) & (k[None, :] < K),
-                    other=0.0,
-                    eviction_policy="evict_first",
-                )
-                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            y = tl.sum(acc, 1)
+        if ROWS == 1:
+            y = _row_product(X, W, G, n, N, K, stride_wn, eps, BLOCK_N, BLOCK_K, GATED, NORM)
             if RESIDUAL:
                 y += tl.load(R + n, mask=n < N, other=0.0).to(tl.float32)
             tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
         else:
             m = tl.arange(0, ROWS)
-            acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-            for first in range(0, K, BLOCK_K):
-                k = first + tl.arange(0, BLOCK_K)
-                x = tl.load(
-                    X + m[:, None] * stride_xm + k[None, :],
-                    mask=(m[:, None] < M) & (k[None, :] < K),
-                    other=0.0,
-                )
-                w = tl.load(
-                    W + n[:, None] * stride_wn + k[None, :],
-                    mask=(n[:, None] < N) & (k[None, :] < K),
-                    other=0.0,
-                    eviction_policy="evict_first",
-                )
-                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            acc = _tile_product(
+                X, W, G, n, M, N, K, stride_xm, stride_wn, eps, ROWS, BLOCK_N, BLOCK_K, PRECISION, NORM
+            )
             inside = (m[:, None] < M) & (n[None, :] < N)
             if RESIDUAL:
                 acc += tl.load(R + m[:, None] * stride_rm + n[None, :], mask=inside, other=0.0).to(tl.float32)
             tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=inside)
 
+    @triton.jit
+    def _qkv_rope_cache(
+        X, W, G, Q, KC, VC, Cos, Sin, Slots, M, K, new, eps,
+        stride_xm, stride_wn, stride_qm, stride_qh, stride_cm, stride_sb, stride_ss,
+        stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
+        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        NORM: tl.constexpr,
+    ):  # fmt: skip
+        # BLOCK_N / 2 rotary pairs (j, j + DIM / 2) of one head of q, k or v: the weight rows of
+        # each pair side by side, so that the epilogue rotates q and k as `apply_rotary` does (the
+        # rotate_half convention), then stores q, or writes k or v into its cache at the rows' slots.
+        PAIRS: tl.constexpr = BLOCK_N // 2
+        HALF: tl.constexpr = DIM // 2
+        pair = tl.program_id(0) * PAIRS
+        head = pair // HALF
+        j = pair % HALF + tl.arange(0, PAIRS)
+        lower = head * DIM + j
+        n = tl.reshape(tl.join(lower, lower + HALF), [BLOCK_N])
+        N = (HEADS + 2 * KV_HEADS) * DIM
+        if ROWS == 1:
+            m = tl.arange(0, 1)[:, None]
+            y = _row_product(X, W, G, n, N, K, stride_wn, eps, BLOCK_N, BLOCK_K, False, NORM)
+            a, b = tl.split(tl.reshape(y, [1, PAIRS, 2]))
+        else:
+            m = tl.arange(0, ROWS)[:, None]
+            y = _tile_product(
+                X, W, G, n, M, N, K, stride_xm, stride_wn, eps, ROWS, BLOCK_N, BLOCK_K, PRECISION, NORM
+            )
+            a, b = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
+        there = m < M
+        j = j[None, :]
+        if head < HEADS + KV_HEADS:  # q or k: rotated (cos and sin repeat over the two halves)
+            cos = tl.load(Cos + m * stride_cm + j, mask=there, other=0.0).to(tl.float32)
+            sin = tl.load(Sin + m * stride_cm + j, mask=there, other=0.0).to(tl.float32)
+            a, b = a * cos - b * sin, b * cos + a * sin
+        if head < HEADS:
+            at = Q + m * stride_qm + head * stride_qh + j
+            tl.store(at, a.to(Q.dtype.element_ty), mask=there)
+            tl.store(at + HALF, b.to(Q.dtype.element_ty), mask=there)
+        else:
+            row, step = m // new, m % new
+            slot = tl.load(Slots + row * stride_sb + step * stride_ss, mask=there, other=0)
+            if head < HEADS + KV_HEADS:
+                at = KC + row * stride_kb + slot * stride_kl + (head - HEADS) * stride_kh + j
+            else:
+                at = VC + row * stride_vb + slot * stride_vl + (head - HEADS - KV_HEADS) * stride_vh + j
+            tl.store(at, a.to(KC.dtype.element_ty), mask=there)
+            tl.store(at + HALF, b.to(KC.dtype.element_ty), mask=there)
+
 
 _tuned: dict[tuple, dict] = {}
-"""The block shape chosen per (out features, in features, row tile, gated, dtype, device)."""
+"""The block shape chosen per (kernel, out features, in features, row tile, dtype, device)."""
 
 
-def _block_shape(key: tuple, launch) -> dict:
-    """The fastest candidate for `key`, timed once (`launch(shape)` runs the kernel). Never timed
-    while a CUDA graph is being captured (timing synchronizes, which would break the capture): the
-    first candidate serves there, unremembered, until an uncaptured call times them."""
+def _block_shape(key: tuple, launch, candidates: list[dict]) -> dict:
+    """The fastest of `candidates` for `key`, timed once (`launch(shape)` runs the kernel). Never
+    timed while a CUDA graph is being captured (timing synchronizes, which would break the
+    capture): the first candidate serves there, unremembered, until an uncaptured call times them."""
     if key in _tuned:
         return _tuned[key]
-    candidates = _candidates(key[2])
     if INTERPRETED or torch.cuda.is_current_stream_capturing():
         return candidates[0]
     times = [_timed(launch, c) for c in candidates]
@@ -141,22 +229,41 @@ def _timed(launch, shape: dict) -> float:
         return float("inf")
 
 
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x as [rows, features] with unit stride along features, and its row tile (1, or 16 to
+    `MAX_ROWS`: `tl.dot` takes 16 rows or more)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows = flat.shape[0]
+    return flat, 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit dots
+
+
 @torch.library.custom_op("inference_ref::skinny_linear", mutates_args=())
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """x [..., K] (at most `MAX_ROWS` rows) @ weight [N, K]ᵀ → [..., N], as `F.linear` without bias.
     gated: x is one row [..., 2K], [gate | up], and the map takes silu(gate) · up (a gated MLP's
     down_proj at batch 1, so that the activation needs no kernel of its own). One row only: computed
     inside the tile of `tl.dot` it made the maps of 2–64 rows 2× slower on an H200.
     residual [..., N]: added to the product in fp32 before the one rounding (the layer's last
-    residual add, which would otherwise be a kernel of its own)."""
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    residual add, which would otherwise be a kernel of its own).
+    norm_weight [K]: the map takes `rms_norm(x, norm_weight, eps)` (the RMSNorm before it, whose
+    sum of squares comes from the loads the product makes anyway; one kernel fewer)."""
+    flat, tile = _rows(x)
     rows = flat.shape[0]
     out_features, features = weight.shape
-    if flat.shape[1] != (2 if gated else 1) * features or (gated and rows != 1):
+    if flat.shape[1] != (2 if gated else 1) * features or (gated and (rows != 1 or norm_weight is not None)):
         raise ValueError(
             f"skinny_linear: x {tuple(x.shape)} for weight {tuple(weight.shape)} (gated={gated})"
         )
@@ -166,69 +273,196 @@ def skinny_linear(
     r = y if residual is None else residual.reshape(rows, out_features)
     if r.stride(-1) != 1:
         r = r.contiguous()
-    tile = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))  # tl.dot takes 16 rows or more
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit dots
+    g = y if norm_weight is None else norm_weight.contiguous()
 
     def launch(shape: dict) -> None:
         _skinny_gemm[(triton.cdiv(out_features, shape["BLOCK_N"]),)](
-            flat, weight, y, r, rows, out_features, features,
-            flat.stride(0), weight.stride(0), y.stride(0), r.stride(0),
-            ROWS=tile, PRECISION=precision, GATED=gated, RESIDUAL=residual is not None, **shape,
+            flat, weight, y, r, g, rows, out_features, features,
+            flat.stride(0), weight.stride(0), y.stride(0), r.stride(0), eps,
+            ROWS=tile, PRECISION=_precision(x), GATED=gated, RESIDUAL=residual is not None,
+            NORM=norm_weight is not None, **shape,
         )  # fmt: skip
 
-    # one block shape whether or not a residual is added: the epilogue reads N values per row
-    launch(_block_shape((out_features, features, tile, gated, x.dtype, x.device), launch))
+    # one block shape with or without a residual or a norm: they add N or K values a row
+    key = ("gated" if gated else "plain", out_features, features, tile, x.dtype, x.device)
+    launch(_block_shape(key, launch, _candidates(tile)))
     return y.view(*x.shape[:-1], out_features)
 
 
 @skinny_linear.register_fake
-def _(x, weight, gated=False, residual=None):
+def _(x, weight, gated=False, residual=None, norm_weight=None, eps=0.0):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("inference_ref::qkv_rope_cache", mutates_args=("k_cache", "v_cache"))
+def qkv_rope_cache(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """A Llama attention's fused q|k|v map with what follows it up to the attention, in one kernel:
+    x [B, S, K] (at most `MAX_ROWS` tokens; `rms_norm(x, norm_weight, eps)` where norm_weight is
+    given) @ weight [(H + 2·Hkv)·d, K]ᵀ, q and k rotated by cos/sin [B, S, d] (`apply_rotary`),
+    k and v written into the caches [B, L, Hkv, d] at slots [B, S] → q [B, S, H, d]. Three
+    elementwise kernels fewer per layer than the map and Inductor's rotary and cache writes."""
+    batch, new = slots.shape
+    kv_heads, dim = k_cache.shape[2:]
+    heads = weight.shape[0] // dim - 2 * kv_heads
+    if not fits_qkv_rope_cache(weight.shape[0], dim, kv_heads) or x.shape[:2] != (batch, new):
+        raise ValueError(
+            f"qkv_rope_cache: x {tuple(x.shape)}, weight {tuple(weight.shape)}, cache {tuple(k_cache.shape)}"
+        )
+    flat, tile = _rows(x)
+    q = x.new_empty(batch, new, heads, dim)
+    cos, sin = (t.reshape(-1, dim) for t in (cos, sin))
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    g = q if norm_weight is None else norm_weight.contiguous()
+
+    def launch(shape: dict) -> None:
+        _qkv_rope_cache[(weight.shape[0] // shape["BLOCK_N"],)](
+            flat, weight, g, q, k_cache, v_cache, cos, sin, slots, flat.shape[0], flat.shape[1], new, eps,
+            flat.stride(0), weight.stride(0), q.stride(1), q.stride(2), cos.stride(0),
+            slots.stride(0), slots.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            HEADS=heads, KV_HEADS=kv_heads, DIM=dim, ROWS=tile, PRECISION=_precision(x),
+            NORM=norm_weight is not None, **shape,
+        )  # fmt: skip
+
+    # rewriting the same cache entries while the shapes are timed changes nothing
+    key = ("qkv_rope_cache", *weight.shape, tile, x.dtype, x.device)
+    launch(_block_shape(key, launch, _rope_candidates(tile, dim)))
+    return q
+
+
+@qkv_rope_cache.register_fake
+def _(x, weight, norm_weight, eps, cos, sin, k_cache, v_cache, slots):
+    kv_heads, dim = k_cache.shape[2:]
+    return x.new_empty(*slots.shape, weight.shape[0] // dim - 2 * kv_heads, dim)
+
+
+def _rope_candidates(tile: int, dim: int) -> list[dict]:
+    """`_candidates` whose blocks hold whole rotary pairs of one head: BLOCK_N / 2 dividing d / 2
+    (16 ≤ BLOCK_N ≤ d, a power of 2, for every tile: `fits_qkv_rope_cache`)."""
+    return [c for c in _candidates(tile) if 2 <= c["BLOCK_N"] <= dim and dim % c["BLOCK_N"] == 0]
+
+
+def fits_qkv_rope_cache(out_features: int, dim: int, kv_heads: int) -> bool:
+    """Whether `qkv_rope_cache` takes a q|k|v map of `out_features` for this head size (a power of
+    2 of at least 16, whole blocks of pairs for every row tile) with at least one query head."""
+    return (
+        dim >= 16 and dim & (dim - 1) == 0 and out_features % dim == 0 and out_features // dim > 2 * kv_heads
+    )
+
+
 def tuned_configs() -> dict[str, dict]:
-    """The block shape chosen so far per (out features, in features, row tile, gated, dtype, device)."""
+    """The block shape chosen so far per (kernel, out features, in features, row tile, dtype, device)."""
     return {str(key): shape for key, shape in _tuned.items()}
 
 
 LINEAR_KERNELS = ("auto", "cublas", "skinny")
 _linear_kernel = "auto"
+_folds = True
 
 
-def use_linear_kernel(name: str) -> None:
+def use_linear_kernel(name: str, folds: bool = True) -> None:
     """Which kernel `project` runs for a map of at most `MAX_ROWS` rows in 16 bits on CUDA:
     "cublas" (`F.linear`), "skinny" (`skinny_linear`), or "auto", the default: "skinny" inside
-    compiled layers, "cublas" elsewhere (eager layers are bound by launches, not reads)."""
-    global _linear_kernel
+    compiled layers, "cublas" elsewhere (eager layers are bound by launches, not reads).
+    folds: whether the skinny maps also take the layer's work around them (the RMSNorms, the
+    rotary and cache writes after q|k|v, SiLU·up at one row, the residual adds: `project`,
+    `project_gated`, `project_qkv`); off, that work runs in the compiled layer's own kernels."""
+    global _linear_kernel, _folds
     if name not in LINEAR_KERNELS:
         raise ValueError(f"linear kernel {name!r}: one of {', '.join(LINEAR_KERNELS)}")
-    _linear_kernel = name
+    _linear_kernel, _folds = name, folds
 
 
-def project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`linear(x)`, through `skinny_linear` where `use_linear_kernel` says so: a plain bias-free
-    `nn.Linear` (not an FP8 or tensor-parallel one, whose modules run their own kernels) on CUDA,
-    16-bit, with at most `MAX_ROWS` rows."""
-    if _runs_skinny(linear, x):
-        return skinny_linear(x, linear.weight)
-    return linear(x)
+def project(
+    linear: torch.nn.Linear,
+    x: torch.Tensor,
+    norm: RMSNorm | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`residual + linear(norm(x))` (a None left out), through `skinny_linear` where
+    `use_linear_kernel` says so: a plain bias-free `nn.Linear` (not an FP8 or tensor-parallel one,
+    whose modules run their own kernels) on CUDA, 16-bit, with at most `MAX_ROWS` rows. The norm
+    and the residual go into its kernel where they fold (`use_linear_kernel`), and are their own
+    operations otherwise."""
+    if not _runs_skinny(linear, x):
+        return _added(residual, linear(x if norm is None else norm(x)))
+    if not _folds_norm(norm, x):
+        x, norm = (x if norm is None else norm(x)), None
+    if not _folds_residual(residual, x):
+        return _added(residual, skinny_linear(x, linear.weight, False, None, *_norm_args(norm)))
+    return skinny_linear(x, linear.weight, False, residual, *_norm_args(norm))
 
 
 def project_gated(
     linear: torch.nn.Linear, gate_up: torch.Tensor, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`residual + linear(silu(gate) · up)` of gate_up = [gate | up] (a gated MLP's down_proj;
-    no residual: the map alone). Where `project` would run `skinny_linear`, the residual is added
-    in its epilogue, and for one row the activation is computed in its loads."""
-    fused = _runs_skinny(linear, gate_up) and (residual is None or residual.dtype == gate_up.dtype)
-    if fused and gate_up.numel() == gate_up.shape[-1]:
-        return skinny_linear(gate_up, linear.weight, True, residual)
+    no residual: the map alone). Where `project` would run `skinny_linear` and fold, the residual is
+    added in its epilogue, and for one row the activation is computed in its loads."""
+    if _runs_skinny(linear, gate_up) and _folds and gate_up.numel() == gate_up.shape[-1]:
+        if _folds_residual(residual, gate_up):
+            return skinny_linear(gate_up, linear.weight, True, residual)
+        return _added(residual, skinny_linear(gate_up, linear.weight, True))
     gate, up = gate_up.chunk(2, dim=-1)
-    activation = torch.nn.functional.silu(gate) * up
-    if fused:
-        return skinny_linear(activation, linear.weight, False, residual)
-    out = linear(activation)
+    return project(linear, torch.nn.functional.silu(gate) * up, residual=residual)
+
+
+def project_qkv(
+    linear: torch.nn.Linear,
+    x: torch.Tensor,
+    norm: RMSNorm | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor | None:
+    """q of `qkv_rope_cache` (k and v written into the caches) where the skinny maps run, fold,
+    and take this map, norm and cache; None where they do not: the caller projects and writes."""
+    kv_heads, dim = k_cache.shape[2:]
+    if not (
+        _runs_skinny(linear, x)
+        and _folds
+        and fits_qkv_rope_cache(linear.out_features, dim, kv_heads)
+        and k_cache.dtype == v_cache.dtype == x.dtype
+    ):
+        return None
+    if norm is not None and not _folds_norm(norm, x):  # another norm (an nn.Identity, say) first
+        x, norm = norm(x), None
+    return qkv_rope_cache(x, linear.weight, *_norm_args(norm), cos, sin, k_cache, v_cache, slots)
+
+
+def _added(residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     return out if residual is None else residual + out
+
+
+def _norm_args(norm: RMSNorm | None) -> tuple:
+    """The kernels' (norm_weight, eps)."""
+    return (None, 0.0) if norm is None else (norm.weight, norm.eps)
+
+
+def _folds_norm(norm: RMSNorm | None, x: torch.Tensor) -> bool:
+    # the project's RMSNorm only (a subclass may compute another norm), over the map's features
+    return _folds and type(norm) is RMSNorm and norm.weight.shape == x.shape[-1:]
+
+
+def _folds_residual(residual: torch.Tensor | None, x: torch.Tensor) -> bool:
+    # in the map's own dtype only: a wider residual stream keeps PyTorch's promotion
+    return _folds and residual is not None and residual.dtype == x.dtype
 
 
 def _runs_skinny(linear: torch.nn.Module, x: torch.Tensor) -> bool:

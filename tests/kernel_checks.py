@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from inference_ref.attention import cache_mask, use_cached_kernel
-from inference_ref.models.llama import random_llama
-from inference_ref.skinny_linear import skinny_linear, use_linear_kernel
+from inference_ref.causal_lm import rms_norm
+from inference_ref.models.llama import apply_rotary, random_llama
+from inference_ref.models.qwen3 import Qwen3Config, random_qwen3
+from inference_ref.skinny_linear import qkv_rope_cache, skinny_linear, use_linear_kernel
 from inference_ref.split_kv_attention import split_kv_attention
 from tiny import tiny_llama
 
@@ -68,7 +70,7 @@ def check_split_kv(device: str, dtype: torch.dtype) -> None:
 def check_skinny(device: str, dtype: torch.dtype) -> None:
     """Rows 1–64 (leading dimensions kept), features not multiples of the tiles; plain and gated
     (silu(gate) · up of x = [gate | up], against the activation rounded to the dtype, as it is
-    before the map), with and without a residual added."""
+    before the map), with and without a residual added, with and without the RMSNorm before it."""
     torch.manual_seed(0)
     cases = [((1, 1, 96), 40), ((3, 5, 64), 33), ((64, 128), 48), ((2, 100), 17), ((7, 256), 520)]
     for x_shape, out_features in cases:
@@ -83,6 +85,12 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
             skinny_linear(x, w, False, residual), F.linear(x.double(), w.double()) + residual
         )
         assert err < tolerance(dtype), ("residual", x_shape, out_features, err)
+        g = 1 + 0.5 * torch.randn(x_shape[-1], device=device, dtype=dtype)
+        normed = F.linear(rms_norm(3 * x.double(), g.double(), 1e-5), w.double())
+        for r in (None, residual):
+            got = skinny_linear(3 * x, w, False, r, g, 1e-5)
+            err = relative_error(got, normed if r is None else normed + r)
+            assert err < tolerance(dtype), ("norm", r is None, x_shape, out_features, err)
     for features, out_features in ((96, 40), (4096, 24), (100, 17)):  # gated: one row
         gate_up = torch.randn(1, 1, 2 * features, device=device, dtype=dtype)
         w = torch.randn(out_features, features, device=device, dtype=dtype)
@@ -102,19 +110,80 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
     torch.library.opcheck(
         skinny_linear, (x, w, False, residual), test_utils=("test_schema", "test_faketensor")
     )
+    g = torch.randn(40, device=device, dtype=dtype)
+    torch.library.opcheck(
+        skinny_linear, (x, w, False, None, g, 1e-6), test_utils=("test_schema", "test_faketensor")
+    )
+
+
+def check_qkv_rope_cache(device: str, dtype: torch.dtype) -> None:
+    """q|k|v of the normed rows, q and k rotated, k and v written at each row's slots (consecutive,
+    and scattered as a token tree's are), against the same steps in PyTorch in fp64: q, and the
+    whole caches (the other entries untouched)."""
+    torch.manual_seed(0)
+    cases = [  # batch, new tokens, query heads, K/V heads, head size, features, cache capacity
+        (1, 1, 4, 2, 16, 64, 40),
+        (1, 1, 32, 8, 128, 96, 20),
+        (3, 4, 8, 2, 32, 96, 50),
+        (2, 8, 4, 4, 64, 48, 30),
+        (8, 8, 4, 1, 16, 40, 20),
+    ]
+    for batch, new, heads, kv_heads, dim, features, capacity in cases:
+        x = torch.randn(batch, new, features, device=device, dtype=dtype)
+        w = torch.randn((heads + 2 * kv_heads) * dim, features, device=device, dtype=dtype) / features**0.5
+        g = 1 + 0.5 * torch.randn(features, device=device, dtype=dtype)
+        angles = torch.rand(batch, new, dim // 2, device=device) * 6.28
+        cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+        slots = torch.stack([torch.randperm(capacity, device=device)[:new] for _ in range(batch)])
+        if batch == 3:  # consecutive, as a decode or verify step places them
+            slots = (
+                torch.arange(new, device=device) + torch.tensor([[0], [9], [40]], device=device)
+            ).contiguous()
+        k_cache, v_cache = (
+            torch.randn(batch, capacity, kv_heads, dim, device=device, dtype=dtype) for _ in "kv"
+        )
+        want_k, want_v = k_cache.double(), v_cache.double()
+        for norm in (None, g):
+            qkv = F.linear(x.double() if norm is None else rms_norm(x.double(), g.double(), 1e-5), w.double())
+            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+            q, k = (apply_rotary(t.unflatten(-1, (-1, dim)), cos.double(), sin.double()) for t in (q, k))
+            rows = torch.arange(batch, device=device)[:, None]
+            want_k[rows, slots], want_v[rows, slots] = k, v.unflatten(-1, (-1, dim))
+            got = qkv_rope_cache(x, w, norm, 1e-5, cos, sin, k_cache, v_cache, slots)
+            for name, a, b in (("q", got, q), ("k", k_cache, want_k), ("v", v_cache, want_v)):
+                err = relative_error(a, b)
+                assert err < tolerance(dtype), (name, norm is None, batch, new, heads, kv_heads, dim, err)
+    k_cache, v_cache = (torch.zeros(2, 10, 1, 16, device=device, dtype=dtype) for _ in "kv")
+    args = (
+        torch.randn(2, 3, 24, device=device, dtype=dtype),
+        torch.randn(64, 24, device=device, dtype=dtype),
+    )
+    cos = torch.randn(2, 3, 16, device=device, dtype=dtype)
+    slots = torch.tensor([[0, 1, 2], [5, 6, 7]], device=device)
+    torch.library.opcheck(
+        qkv_rope_cache,
+        (*args, None, 0.0, cos, cos, k_cache, v_cache, slots),
+        test_utils=("test_schema", "test_faketensor"),
+    )
 
 
 @torch.inference_mode()
 def check_model_steps(device: str, dtype: torch.dtype, compiled: bool = False) -> None:
-    """A Llama target's decode and verify steps through both kernels equal SDPA's and cuBLAS's on
-    the same cache: rows of three lengths, and one row (whose decode takes the gated down_proj),
-    1 and 3 new tokens, the states and the cache writes."""
-    cfg = tiny_llama()
-    model = random_llama(cfg, device, dtype, seed=0)
-    if compiled:
-        model.compile_layers()
-    for lengths in ([40, 25, 33], [30]):
-        check_steps(model, torch.tensor(lengths, device=device), dtype)
+    """A Llama target's decode and verify steps through both kernels, with the layer's work folded
+    into the maps and without, equal SDPA's and cuBLAS's on the same cache: rows of three lengths,
+    and one row (whose decode takes the gated down_proj), 1 and 3 new tokens, the states and the
+    cache writes. A Qwen3 target too, eagerly (its q/k norms keep the rotary and cache writes out
+    of the q|k|v map)."""
+    models = [random_llama(tiny_llama(), device, dtype, seed=0)]
+    if not compiled:  # the same kernel calls, compiled: the Llama target's cover Inductor's side
+        models.append(
+            random_qwen3(Qwen3Config(**{**vars(tiny_llama()), "head_dim": 32}), device, dtype, seed=0)
+        )
+    for model in models:
+        if compiled:
+            model.compile_layers()
+        for lengths in ([40, 25, 33], [30]):
+            check_steps(model, torch.tensor(lengths, device=device), dtype)
 
 
 def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
@@ -124,9 +193,9 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
     steps = [torch.randint(0, vocab, (rows, n), device=device) for n in (1, 3, 1)]
     results = {}
     try:
-        for kernels in (("sdpa", "cublas"), ("split", "skinny")):
+        for kernels in (("sdpa", "cublas", True), ("split", "skinny", True), ("split", "skinny", False)):
             use_cached_kernel(kernels[0])
-            use_linear_kernel(kernels[1])
+            use_linear_kernel(*kernels[1:])
             cache = model.new_cache(rows, 64)
             model.forward_cached(prompt, cache)  # a prefill: SDPA and cuBLAS under both
             cache.lengths += lengths  # rows of their own lengths
@@ -138,14 +207,20 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
     finally:  # the defaults back, for whatever runs next in this process (the GPU tests)
         use_cached_kernel("auto")
         use_linear_kernel("auto")
-    (want, want_cache), (got, got_cache) = results.values()
-    for g, w in zip(got, want):
-        assert relative_error(g, w) < 10 * tolerance(dtype), (rows, relative_error(g, w))
-    assert relative_error(got_cache.k, want_cache.k) < 10 * tolerance(dtype)
-    assert relative_error(got_cache.v, want_cache.v) < 10 * tolerance(dtype)
+    (want, want_cache), *others = results.values()
+    for (got, got_cache), kernels in zip(others, list(results)[1:]):
+        for g, w in zip(got, want):
+            assert relative_error(g, w) < 10 * tolerance(dtype), (kernels, rows, relative_error(g, w))
+        assert relative_error(got_cache.k, want_cache.k) < 10 * tolerance(dtype), kernels
+        assert relative_error(got_cache.v, want_cache.v) < 10 * tolerance(dtype), kernels
 
 
-CHECKS = {"split_kv": check_split_kv, "skinny": check_skinny, "model_steps": check_model_steps}
+CHECKS = {
+    "split_kv": check_split_kv,
+    "skinny": check_skinny,
+    "qkv_rope_cache": check_qkv_rope_cache,
+    "model_steps": check_model_steps,
+}
 
 if __name__ == "__main__":
     name, device, dtype = sys.argv[1:4]

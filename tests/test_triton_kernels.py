@@ -37,6 +37,11 @@ def test_skinny_linear_matches_f_linear(dtype):
     interpreted("skinny", "cpu", dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_qkv_rope_cache_matches_the_map_rotary_and_cache_writes(dtype):
+    interpreted("qkv_rope_cache", "cpu", dtype)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_target_steps_through_both_kernels_equal_sdpa_and_cublas(compiled):
     interpreted("model_steps", "cpu", "float32", *(["compiled"] if compiled else []))

@@ -25,7 +25,7 @@ from inference_ref.causal_lm import (
     eos_token_ids,
 )
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, init_random, read_tensors, safetensors_files
-from inference_ref.skinny_linear import project, project_gated
+from inference_ref.skinny_linear import project, project_gated, project_qkv
 from inference_ref.split_kv_attention import split_kv_attention
 
 # ---------------------------------------------------------------------------------------------
@@ -190,17 +190,20 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [.., heads, d], k and v [.., kv_heads, d] before rotary (a kind may normalize them here)."""
-        q, k, v = project(self.qkv_proj, x).split(
+    def heads(
+        self, x: torch.Tensor, norm: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [.., heads, d], k and v [.., kv_heads, d] of norm(x) (x where None), before rotary (a
+        kind may normalize them here)."""
+        q, k, v = project(self.qkv_proj, x, norm).split(
             [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], -1
         )
         q = q.unflatten(-1, (self.n_heads, self.head_dim))
         k = k.unflatten(-1, (self.n_kv, self.head_dim))
         return q, k, v.unflatten(-1, (self.n_kv, self.head_dim))
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        q, k, v = self.heads(x)
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: RMSNorm | None = None):
+        q, k, v = self.heads(x, norm)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward_packed(self, x, cos, sin, cu_seqlens, max_len):
@@ -208,19 +211,26 @@ class Attention(nn.Module):
         o = packed_causal_attention(q, k, v, cu_seqlens, max_len)
         return self.o_proj(o.flatten(-2))
 
-    def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask):
-        """x [B, S, H]; writes the new K/V at `slots` [B, S] of this layer's cache, then attends.
-        No mask: a consecutive run, each token seeing the keys up to its own slot (`Placement`)."""
-        q, k, v = self._qkv(x, cos, sin)
-        rows = torch.arange(x.shape[0], device=x.device)[:, None]
-        k_cache[rows, slots] = k.to(k_cache.dtype)
-        v_cache[rows, slots] = v.to(v_cache.dtype)
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask, norm=None, residual=None):
+        """x [B, S, H] → residual + attention(norm(x)) (None: left out); writes the new K/V at
+        `slots` [B, S] of this layer's cache, then attends. No mask: a consecutive run, each token
+        seeing the keys up to its own slot (`Placement`). The norm, rotary, cache writes and the
+        residual add go into the maps' kernels where they fold (`skinny_linear.use_linear_kernel`;
+        not under a kind's own `heads`, e.g. Qwen3's q/k norms)."""
+        q = None
+        if type(self).heads is Attention.heads:
+            q = project_qkv(self.qkv_proj, x, norm, cos, sin, k_cache, v_cache, slots)
+        if q is None:
+            q, k, v = self._qkv(x, cos, sin, norm)
+            rows = torch.arange(x.shape[0], device=x.device)[:, None]
+            k_cache[rows, slots] = k.to(k_cache.dtype)
+            v_cache[rows, slots] = v.to(v_cache.dtype)
         if mask is None:
             o = split_kv_attention(q, k_cache, v_cache, slots[:, 0])
         else:
             key_len = mask.shape[-1]
             o = cached_attention(q, k_cache[:, :key_len], v_cache[:, :key_len], mask)
-        return project(self.o_proj, o.flatten(-2))
+        return project(self.o_proj, o.flatten(-2), residual=residual)
 
 
 class MLP(nn.Module):
@@ -229,9 +239,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """mlp(x), plus `residual` if given: in the down_proj kernel's epilogue where it has one."""
-        return project_gated(self.down_proj, project(self.gate_up_proj, x), residual)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
+    ) -> torch.Tensor:
+        """residual + mlp(norm(x)) (None: left out); the norm and the residual in the maps'
+        kernels where they fold (`skinny_linear.project`)."""
+        return project_gated(self.down_proj, project(self.gate_up_proj, x, norm), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -247,9 +260,11 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
     def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask):
-        h = self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, k_cache, v_cache, slots, mask)
-        x = x + h
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+        # as forward_packed, with the norms and residual adds handed to the maps that fold them
+        x = self.self_attn.forward_cached(
+            x, cos, sin, k_cache, v_cache, slots, mask, norm=self.input_layernorm, residual=x
+        )
+        return self.mlp(x, residual=x, norm=self.post_attention_layernorm)
 
 
 class LlamaModel(CausalLM):

@@ -56,8 +56,10 @@ class Qwen3Attention(llama.Attention):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().heads(x)
+    def heads(
+        self, x: torch.Tensor, norm: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().heads(x, norm)
         return self.q_norm(q), self.k_norm(k), v
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_ref.causal_lm import CausalLM, KVCache, config_fingerprint
+from inference_ref.causal_lm import CausalLM, KVCache, RMSNorm, config_fingerprint
 from inference_ref.loading import init_random, read_tensors, safetensors_files
 from inference_ref.models import llama, qwen3
 from inference_ref.models.deepseek_v2.model import build_model, fuse_experts
@@ -104,8 +104,12 @@ class SparseMoE(nn.Module):
         self.router = Router(cfg)
         self.experts = Experts(cfg)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The experts' mix of x, plus `residual` if given (as `llama.MLP`: the layer's last add)."""
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
+    ) -> torch.Tensor:
+        """The experts' mix of norm(x), plus `residual` if given (as `llama.MLP`)."""
+        if norm is not None:
+            x = norm(x)
         flat = x.reshape(-1, x.shape[-1])
         out = self.experts(flat, *self.router(flat)).view_as(x)
         return out if residual is None else residual + out
