@@ -215,6 +215,78 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
         assert relative_error(got_cache.v, want_cache.v) < 10 * tolerance(dtype), kernels
 
 
+POINTER_TYPES = {"Slots": "*i64", "Lengths": "*i64", "Part": "*fp32", "Lse": "*fp32"}  # others: bf16
+FLOAT_SCALARS = ("eps", "scale_log2")  # others: int32
+
+
+def compile_for_hopper(kernel: str) -> list[str]:
+    """Compile a Triton kernel's variants for sm90 (an H100 or H200) on this machine, with the
+    ptxas Triton ships: what only a GPU's compiler rejects (layouts, `qkv_rope_cache`'s reshapes
+    and joins of rotary pairs) shows without one. Representative block shapes (the narrowest and a
+    wide one-row one, 16- and 64-row tiles); the other candidates differ in numbers only, and one
+    past a GPU's shared memory is dropped when the shapes are timed. A line per variant."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import inference_ref.skinny_linear as skinny
+    import inference_ref.split_kv_attention as split
+
+    def compiled(fn, pointers: str, scalars: str, constants: dict, warps: int = 4, stages: int = 3) -> str:
+        signature = {name: POINTER_TYPES.get(name, "*bf16") for name in pointers.split()}
+        signature |= {name: "fp32" if name in FLOAT_SCALARS else "i32" for name in scalars.split()}
+        source = ASTSource(fn, signature | dict.fromkeys(constants, "constexpr"), constants)
+        options = {"num_warps": warps, "num_stages": stages}
+        binary = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        return f"{fn.__name__} {constants} {options}: {binary.metadata.shared} B shared"
+
+    shapes = [(1, 2, 2048, 4, 1), (1, 16, 512, 8, 4), (16, 16, 256, 4, 4), (64, 128, 64, 4, 4)]
+    tile = {"PRECISION": "tf32"}
+    done = []
+    if kernel == "skinny":
+        pointers, scalars = "X W Y R G", "M N K stride_xm stride_wn stride_ym stride_rm eps"
+        for rows, n, k, warps, stages in shapes:
+            for gated, residual, norm in ((False, False, True), (rows == 1, True, False)):
+                flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm)
+                constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags)
+                done.append(compiled(skinny._skinny_gemm, pointers, scalars, constants, warps, stages))
+    elif kernel == "qkv_rope_cache":
+        pointers = "X W G Q KC VC Cos Sin Slots"
+        scalars = (
+            "M K new eps stride_xm stride_wn stride_qm stride_qh stride_cm stride_sb stride_ss "
+            "stride_kb stride_kl stride_kh stride_vb stride_vl stride_vh"
+        )
+        for rows, n, k, warps, stages in shapes:
+            for norm in (True, False):
+                constants = dict(
+                    HEADS=32, KV_HEADS=8, DIM=128, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, NORM=norm
+                )
+                done.append(compiled(skinny._qkv_rope_cache, pointers, scalars, constants, warps, stages))
+    else:
+        heads = dict(KV_HEADS=8, GROUP=4, SPLITS=16, DIM=128)
+        scalars = "stride_lb stride_qb stride_qs stride_qh stride_kb stride_kl stride_kh stride_vb stride_vl stride_vh"
+        for rows in (16, 64):
+            constants = dict(**heads, ROWS=rows, KEYS=split.BLOCK_KEYS, **tile)
+            done.append(
+                compiled(
+                    split._split_kv_attention_partial,
+                    "Q K V Lengths Out Lse",
+                    scalars + " new scale_log2",
+                    constants,
+                )
+            )
+        constants = dict(**heads, SPLITS_POW2=16, ROWS=16)
+        done.append(
+            compiled(
+                split._split_kv_attention_merge,
+                "Part Lse Out",
+                "stride_ob stride_os stride_oh new",
+                constants,
+            )
+        )
+    return done
+
+
 CHECKS = {
     "split_kv": check_split_kv,
     "skinny": check_skinny,

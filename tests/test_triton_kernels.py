@@ -47,6 +47,15 @@ def test_target_steps_through_both_kernels_equal_sdpa_and_cublas(compiled):
     interpreted("model_steps", "cpu", "float32", *(["compiled"] if compiled else []))
 
 
+@pytest.mark.parametrize("kernel", ["skinny", "qkv_rope_cache", "split_kv"])
+def test_kernels_compile_for_an_h100_or_h200(kernel):
+    """Triton's own compiler and ptxas for sm90, here on the CPU (`kernel_checks.compile_for_hopper`)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from kernel_checks import compile_for_hopper
+
+    assert compile_for_hopper(kernel)
+
+
 def test_split_kv_takes_the_head_sizes_and_tiles_it_can():
     from inference_ref.split_kv_attention import fits
 
