@@ -94,15 +94,13 @@ if triton is not None:
 
     @triton.jit
     def _tile_product(
-        X, W, G, n, M, N, K, stride_xm, stride_wn, eps,
+        X, W, n, M, N, K, stride_xm, stride_wn,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        NORM: tl.constexpr,
     ):  # fmt: skip
-        # x[m] · w[n] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`). NORM: as
-        # `_row_product`, each row's x · G rounded to X's dtype for the dot.
+        # x[m] · w[n] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`). x goes into the dot
+        # as loaded: computed on before it (SiLU·up, 2026-12-05) the maps ran 2× slower on an H200.
         m = tl.arange(0, ROWS)
         acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        squares = tl.zeros([ROWS], tl.float32)
         for first in range(0, K, BLOCK_K):
             k = first + tl.arange(0, BLOCK_K)
             x = tl.load(
@@ -110,11 +108,6 @@ if triton is not None:
                 mask=(m[:, None] < M) & (k[None, :] < K),
                 other=0.0,
             )
-            if NORM:
-                xf = x.to(tl.float32)
-                squares += tl.sum(xf * xf, 1)
-                g = tl.load(G + k, mask=k < K, other=0.0).to(tl.float32)
-                x = (xf * g[None, :]).to(X.dtype.element_ty)
             w = tl.load(
                 W + n[:, None] * stride_wn + k[None, :],
                 mask=(n[:, None] < N) & (k[None, :] < K),
@@ -122,8 +115,6 @@ if triton is not None:
                 eviction_policy="evict_first",
             )
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        if NORM:
-            acc = acc * tl.rsqrt(squares / K + eps)[:, None]
         return acc
 
     @triton.jit
@@ -141,9 +132,7 @@ if triton is not None:
             tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
         else:
             m = tl.arange(0, ROWS)
-            acc = _tile_product(
-                X, W, G, n, M, N, K, stride_xm, stride_wn, eps, ROWS, BLOCK_N, BLOCK_K, PRECISION, NORM
-            )
+            acc = _tile_product(X, W, n, M, N, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION)
             inside = (m[:, None] < M) & (n[None, :] < N)
             if RESIDUAL:
                 acc += tl.load(R + m[:, None] * stride_rm + n[None, :], mask=inside, other=0.0).to(tl.float32)
@@ -175,9 +164,7 @@ if triton is not None:
             a, b = tl.split(tl.reshape(y, [1, PAIRS, 2]))
         else:
             m = tl.arange(0, ROWS)[:, None]
-            y = _tile_product(
-                X, W, G, n, M, N, K, stride_xm, stride_wn, eps, ROWS, BLOCK_N, BLOCK_K, PRECISION, NORM
-            )
+            y = _tile_product(X, W, n, M, N, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION)
             a, b = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         there = m < M
         j = j[None, :]
@@ -258,12 +245,18 @@ def skinny_linear(
     inside the tile of `tl.dot` it made the maps of 2–64 rows 2× slower on an H200.
     residual [..., N]: added to the product in fp32 before the one rounding (the layer's last
     residual add, which would otherwise be a kernel of its own).
-    norm_weight [K]: the map takes `rms_norm(x, norm_weight, eps)` (the RMSNorm before it, whose
-    sum of squares comes from the loads the product makes anyway; one kernel fewer)."""
+    norm_weight [K]: the map takes `rms_norm(x, norm_weight, eps)` of one row (the RMSNorm before
+    it, whose sum of squares comes from the loads the product makes anyway; one kernel fewer. One
+    row only, as gated)."""
     flat, tile = _rows(x)
     rows = flat.shape[0]
     out_features, features = weight.shape
-    if flat.shape[1] != (2 if gated else 1) * features or (gated and (rows != 1 or norm_weight is not None)):
+    one_row_only = gated or norm_weight is not None
+    if (
+        flat.shape[1] != (2 if gated else 1) * features
+        or (one_row_only and rows != 1)
+        or (gated and norm_weight is not None)
+    ):
         raise ValueError(
             f"skinny_linear: x {tuple(x.shape)} for weight {tuple(weight.shape)} (gated={gated})"
         )
@@ -308,13 +301,18 @@ def qkv_rope_cache(
 ) -> torch.Tensor:
     """A Llama attention's fused q|k|v map with what follows it up to the attention, in one kernel:
     x [B, S, K] (at most `MAX_ROWS` tokens; `rms_norm(x, norm_weight, eps)` where norm_weight is
-    given) @ weight [(H + 2·Hkv)·d, K]ᵀ, q and k rotated by cos/sin [B, S, d] (`apply_rotary`),
+    given, one token only, as `skinny_linear`'s) @ weight [(H + 2·Hkv)·d, K]ᵀ, q and k rotated by cos/sin [B, S, d] (`apply_rotary`),
     k and v written into the caches [B, L, Hkv, d] at slots [B, S] → q [B, S, H, d]. Three
     elementwise kernels fewer per layer than the map and Inductor's rotary and cache writes."""
     batch, new = slots.shape
     kv_heads, dim = k_cache.shape[2:]
     heads = weight.shape[0] // dim - 2 * kv_heads
-    if not fits_qkv_rope_cache(weight.shape[0], dim, kv_heads) or x.shape[:2] != (batch, new):
+    if (
+        not fits_qkv_rope_cache(weight.shape[0], dim, kv_heads)
+        or x.shape[:2] != (batch, new)
+        or (norm_weight is not None and batch * new != 1)
+        or k_cache.dtype != v_cache.dtype
+    ):
         raise ValueError(
             f"qkv_rope_cache: x {tuple(x.shape)}, weight {tuple(weight.shape)}, cache {tuple(k_cache.shape)}"
         )
@@ -456,8 +454,9 @@ def _norm_args(norm: RMSNorm | None) -> tuple:
 
 
 def _folds_norm(norm: RMSNorm | None, x: torch.Tensor) -> bool:
-    # the project's RMSNorm only (a subclass may compute another norm), over the map's features
-    return _folds and type(norm) is RMSNorm and norm.weight.shape == x.shape[-1:]
+    # the project's RMSNorm only (a subclass may compute another norm), over the map's features,
+    # of one row (`_tile_product` takes x as loaded)
+    return _folds and type(norm) is RMSNorm and norm.weight.shape == x.shape[-1:] and x.numel() == x.shape[-1]
 
 
 def _folds_residual(residual: torch.Tensor | None, x: torch.Tensor) -> bool:
