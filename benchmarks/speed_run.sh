@@ -28,7 +28,8 @@
 #   k*   whole decode and verify steps at the 8B shape, batches 1 and 8, with the kernels (split-key
 #        attention, the skinny linear map with the layer folded in: the default), with the maps
 #        alone (--unfolded), and mixed attention with cuBLAS, one after another on the same machine;
-#   p    the decode step and the 8-token verify with the kernels, profiled by kernel kind;
+#   p    the decode step and the 8-token verify with the kernels, profiled by kernel kind (and
+#        p_unfolded: the maps alone, for the folded kernels' own times against the ones they replace);
 #   k70* the same at the 70B shape (8 and 16 layers, extrapolated);
 #   g    each map alone: cuBLAS, Inductor's reduction, the skinny kernel;
 #   decode64  decoding at batch 64 against HF generate with the new defaults (#36: >= 10x);
@@ -68,6 +69,7 @@ run k_split_skinny $k --cached-kernel split --linear-kernel skinny
 run k_split_skinny_unfolded $k --cached-kernel split --linear-kernel skinny --unfolded
 run k_mixed_cublas $k --cached-kernel mixed --linear-kernel cublas
 run p $v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 8 --profile --cached-kernel split --linear-kernel skinny
+run p_unfolded $v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 8 --profile --cached-kernel split --linear-kernel skinny --unfolded
 k70="$v --shape llama3_70b --layers 8 16 --compiled-layers --batches 1 8 --new-tokens 1 2 4 6 8 --tag kernels"
 run k70_split_skinny $k70 --cached-kernel split --linear-kernel skinny
 run k70_mixed_cublas $k70 --cached-kernel mixed --linear-kernel cublas
