@@ -38,8 +38,8 @@ class Eagle3DecoderLayer(nn.Module):
     def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask):
         e, g = x.chunk(2, -1)
         a = torch.cat([self.input_layernorm(e), self.hidden_norm(g)], -1)
-        y = g + self.self_attn.forward_cached(a, cos, sin, k_cache, v_cache, slots, mask)
-        return self.mlp(self.post_attention_layernorm(y), residual=y)
+        y = self.self_attn.forward_cached(a, cos, sin, k_cache, v_cache, slots, mask, residual=g)
+        return self.mlp(y, residual=y, norm=self.post_attention_layernorm)
 
 
 class Eagle3Draft(Draft):

@@ -27,12 +27,14 @@ MAX_ROWS = 64
 """The most rows of x one call takes (the tile `tl.dot` multiplies); more go to cuBLAS."""
 
 
-def _candidates(tile: int) -> list[dict]:
+def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
     """Block shapes to try for a row tile: (BLOCK_N, BLOCK_K, num_warps, num_stages). One row
     multiplies and sums along K (no tile of 16 rows to fill): narrow blocks, long K steps, and
     without pipelining stages as well as with them (a plain streaming read may do best with many
-    programs resident per SM and nothing staged through shared memory: Inductor's reductions)."""
-    if INTERPRETED:  # one small shape, no tuning
+    programs resident per SM and nothing staged through shared memory: Inductor's reductions).
+    Under Triton's interpreter one small shape, untimed (`gpu`: the GPU's, which the checks force
+    one by one)."""
+    if not gpu:
         shapes = [(16, 64, 4, 1)]
     elif tile == 1:
         shapes = [
@@ -178,7 +180,7 @@ if triton is not None:
             tl.store(at, a.to(Q.dtype.element_ty), mask=there)
             tl.store(at + HALF, b.to(Q.dtype.element_ty), mask=there)
         else:
-            row, step = m // new, m % new
+            row, step = (m // new).to(tl.int64), m % new  # row · stride: past 2³¹ at B·L > 2M
             slot = tl.load(Slots + row * stride_sb + step * stride_ss, mask=there, other=0)
             if head < HEADS + KV_HEADS:
                 at = KC + row * stride_kb + slot * stride_kl + (head - HEADS) * stride_kh + j
@@ -208,13 +210,15 @@ def _block_shape(key: tuple, launch, candidates: list[dict]) -> dict:
 
 
 def _timed(launch, shape: dict) -> float:
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
     from triton.testing import do_bench
 
     try:
         # the median: a map of 10–15 µs is near the launch's own noise
         return do_bench(lambda: launch(shape), warmup=5, rep=20, return_mode="median")
-    except Exception:  # noqa: BLE001 (a shape past this GPU's shared memory or registers: not a candidate)
-        return float("inf")
+    except (OutOfResources, PTXASError, CompilationError):  # past this GPU's shared memory or registers
+        return float("inf")  # not a candidate; any other error (a fault) is raised as it is
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -304,18 +308,26 @@ def qkv_rope_cache(
     x [B, S, K] (at most `MAX_ROWS` tokens; `rms_norm(x, norm_weight, eps)` where norm_weight is
     given, one token only, as `skinny_linear`'s) @ weight [(H + 2·Hkv)·d, K]ᵀ, q and k rotated by cos/sin [B, S, d] (`apply_rotary`),
     k and v written into the caches [B, L, Hkv, d] at slots [B, S] → q [B, S, H, d]. Three
-    elementwise kernels fewer per layer than the map and Inductor's rotary and cache writes."""
+    elementwise kernels fewer per layer than the map and Inductor's rotary and cache writes. The
+    slots are the caller's to keep inside the cache (checking them would synchronize the step)."""
     batch, new = slots.shape
     kv_heads, dim = k_cache.shape[2:]
-    heads = weight.shape[0] // dim - 2 * kv_heads
+    heads, features = weight.shape[0] // dim - 2 * kv_heads, x.shape[-1]
     if (
         not fits_qkv_rope_cache(weight.shape[0], dim, kv_heads)
-        or x.shape[:2] != (batch, new)
+        or x.shape != (batch, new, features)
+        or weight.shape[1] != features
         or (norm_weight is not None and batch * new != 1)
+        or v_cache.shape != k_cache.shape
         or k_cache.dtype != v_cache.dtype
+        or k_cache.stride(-1) != 1
+        or v_cache.stride(-1) != 1
+        or cos.shape != (batch, new, dim)
+        or sin.shape != cos.shape
     ):
         raise ValueError(
-            f"qkv_rope_cache: x {tuple(x.shape)}, weight {tuple(weight.shape)}, cache {tuple(k_cache.shape)}"
+            f"qkv_rope_cache: x {tuple(x.shape)}, weight {tuple(weight.shape)}, caches "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}, cos {tuple(cos.shape)}, slots {tuple(slots.shape)}"
         )
     flat, tile = _rows(x)
     q = x.new_empty(batch, new, heads, dim)
@@ -338,7 +350,7 @@ def qkv_rope_cache(
         )  # fmt: skip
 
     # rewriting the same cache entries while the shapes are timed changes nothing
-    key = ("qkv_rope_cache", *weight.shape, tile, x.dtype, x.device)
+    key = ("qkv_rope_cache", heads, kv_heads, dim, features, tile, x.dtype, x.device)  # BLOCK_N ≤ d
     launch(_block_shape(key, launch, _rope_candidates(tile, dim)))
     return q
 

@@ -68,7 +68,7 @@ if triton is not None:
         # One (row, K/V head, share of the keys). Tile row r: new token r // GROUP, query head
         # kv_head · GROUP + r % GROUP.
         pair, split = tl.program_id(0), tl.program_id(1)
-        b, kv_head = pair // KV_HEADS, pair % KV_HEADS
+        b, kv_head = (pair // KV_HEADS).to(tl.int64), pair % KV_HEADS  # b · stride: past 2³¹ at B·L > 2M
         r = tl.arange(0, ROWS)
         s = r // GROUP
         head = kv_head * GROUP + r % GROUP

@@ -132,7 +132,7 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
 def check_qkv_rope_cache(device: str, dtype: torch.dtype) -> None:
     """q|k|v of the rows (and of one normed row), q and k rotated, k and v written at each row's
     slots (consecutive, and scattered as a token tree's are), against the same steps in PyTorch in
-    fp64: q, and the whole caches (the other entries untouched)."""
+    fp64: q, the entries written, and the caches' other entries exactly as they were."""
     torch.manual_seed(0)
     cases = [  # batch, new tokens, query heads, K/V heads, head size, features, cache capacity
         (1, 1, 4, 2, 16, 64, 40),
@@ -155,17 +155,18 @@ def check_qkv_rope_cache(device: str, dtype: torch.dtype) -> None:
         k_cache, v_cache = (
             torch.randn(batch, capacity, kv_heads, dim, device=device, dtype=dtype) for _ in "kv"
         )
-        want_k, want_v = k_cache.double(), v_cache.double()
+        rows = torch.arange(batch, device=device)[:, None]
+        untouched = torch.ones(batch, capacity, dtype=torch.bool, device=device)
+        untouched[rows, slots] = False
+        before = k_cache.clone(), v_cache.clone()
         for norm in (None, g) if batch * new == 1 else (None,):  # the norm: one row only
-            qkv = F.linear(x.double() if norm is None else rms_norm(x.double(), g.double(), 1e-5), w.double())
-            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
-            q, k = (apply_rotary(t.unflatten(-1, (-1, dim)), cos.double(), sin.double()) for t in (q, k))
-            rows = torch.arange(batch, device=device)[:, None]
-            want_k[rows, slots], want_v[rows, slots] = k, v.unflatten(-1, (-1, dim))
+            case = (norm is None, batch, new, heads, kv_heads, dim)
+            want = qkv_reference(x, w, norm, cos, sin, heads, kv_heads, dim)
             got = qkv_rope_cache(x, w, norm, 1e-5, cos, sin, k_cache, v_cache, slots)
-            for name, a, b in (("q", got, q), ("k", k_cache, want_k), ("v", v_cache, want_v)):
-                err = relative_error(a, b)
-                assert err < tolerance(dtype), (name, norm is None, batch, new, heads, kv_heads, dim, err)
+            for name, a, b in zip("qkv", (got, k_cache[rows, slots], v_cache[rows, slots]), want):
+                assert relative_error(a, b) < tolerance(dtype), (name, *case, relative_error(a, b))
+            for cache, kept in zip((k_cache, v_cache), before):
+                assert torch.equal(cache[untouched], kept[untouched]), ("other entries", *case)
     k_cache, v_cache = (torch.zeros(2, 10, 1, 16, device=device, dtype=dtype) for _ in "kv")
     args = (
         torch.randn(2, 3, 24, device=device, dtype=dtype),
@@ -178,6 +179,69 @@ def check_qkv_rope_cache(device: str, dtype: torch.dtype) -> None:
         (*args, None, 0.0, cos, cos, k_cache, v_cache, slots),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+def qkv_reference(x, w, norm, cos, sin, heads: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """q, k (rotated) and v of `qkv_rope_cache`'s inputs, in fp64 through the model's own functions."""
+    qkv = F.linear(x.double() if norm is None else rms_norm(x.double(), norm.double(), 1e-5), w.double())
+    q, k, v = (
+        t.unflatten(-1, (-1, dim)) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    )
+    return apply_rotary(q, cos.double(), sin.double()), apply_rotary(k, cos.double(), sin.double()), v
+
+
+def check_block_shapes(device: str, dtype: torch.dtype) -> None:
+    """Every block shape the GPU's tuning may choose, forced one at a time (the tuning keeps only the
+    fastest, and the interpreter runs one): `skinny_linear` plain, normed with a residual and gated
+    at one row, at 16- and 64-row tiles; `qkv_rope_cache` at one normed row and at 64 rows."""
+    import inference_ref.skinny_linear as skinny
+
+    torch.manual_seed(0)
+    features, dim = 72, 128
+    w = torch.randn(200, features, device=device, dtype=dtype) / features**0.5
+    g = 1 + 0.5 * torch.randn(features, device=device, dtype=dtype)
+    w_qkv = torch.randn(4 * dim, features, device=device, dtype=dtype) / features**0.5  # 2 + 2 · 1 heads
+    shapes, timed = [], skinny._block_shape
+    try:
+        for tile in (1, 16, 64):
+            for shape in skinny._candidates(tile, gpu=True):
+                skinny._block_shape = lambda key, launch, candidates, shape=shape: shape
+                rows = 1 if tile == 1 else tile // 2 + 1  # a tile of its own size
+                x = torch.randn(rows, features, device=device, dtype=dtype)
+                r = torch.randn(rows, 200, device=device, dtype=dtype)
+                cases = [((x, w), F.linear(x.double(), w.double()))]
+                if tile == 1:
+                    normed = F.linear(rms_norm(x.double(), g.double(), 1e-5), w.double())
+                    cases.append(((x, w, False, r, g, 1e-5), normed + r))
+                    gate_up = torch.randn(1, 2 * features, device=device, dtype=dtype)
+                    gate, up = gate_up.double().chunk(2, -1)
+                    cases.append(
+                        ((gate_up, w, True), F.linear((F.silu(gate) * up).to(dtype).double(), w.double()))
+                    )
+                for args, want in cases:
+                    err = relative_error(skinny_linear(*args), want)
+                    assert err < tolerance(dtype), ("skinny", tile, shape, len(args), err)
+                if shape["BLOCK_N"] >= 2:
+                    batch, new = (1, 1) if tile == 1 else (rows // 4 + 1, 4)
+                    check_qkv_shape(w_qkv, g if tile == 1 else None, batch, new, dim, device, dtype, shape)
+                shapes.append(shape)
+    finally:
+        skinny._block_shape = timed
+    assert len(shapes) == sum(len(skinny._candidates(t, gpu=True)) for t in (1, 16, 64))
+
+
+def check_qkv_shape(w, norm, batch: int, new: int, dim: int, device, dtype, shape: dict) -> None:
+    x = torch.randn(batch, new, w.shape[1], device=device, dtype=dtype)
+    angles = torch.rand(batch, new, dim // 2, device=device) * 6.28
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    k_cache, v_cache = (torch.zeros(batch, new + 3, 1, dim, device=device, dtype=dtype) for _ in "kv")
+    slots = (torch.arange(new, device=device) + 2).expand(batch, new)
+    got = qkv_rope_cache(x, w, norm, 1e-5, cos, sin, k_cache, v_cache, slots)
+    for name, a, b in zip(
+        "qkv", (got, k_cache[:, 2:-1], v_cache[:, 2:-1]), qkv_reference(x, w, norm, cos, sin, 2, 1, dim)
+    ):
+        assert relative_error(a, b) < tolerance(dtype), ("qkv_rope_cache", name, shape, batch, new)
+    assert not k_cache[:, :2].any() and not v_cache[:, -1].any(), ("other entries", shape)
 
 
 @torch.inference_mode()
@@ -304,6 +368,7 @@ CHECKS = {
     "split_kv": check_split_kv,
     "skinny": check_skinny,
     "qkv_rope_cache": check_qkv_rope_cache,
+    "block_shapes": check_block_shapes,
     "model_steps": check_model_steps,
 }
 
