@@ -210,7 +210,9 @@ def use_cached_kernel(name: str) -> None:
     docs/benchmarks.md): "split" with the skinny linear maps decodes at batch 1 in 5.88 ms (76.9 %
     of the weight-read limit) against "mixed"'s 6.49 with cuBLAS, and its verifies of 2–8 tokens
     at batches 1 and 8 cost 1.01–1.08× its decode step. On an H200: 4.49 ms (70.3 %) against
-    4.84, 4.36 ms (72.4 %) with the gated down_proj.
+    4.84, 4.36 ms (72.4 %) with the gated down_proj. With the layer folded into the maps (run 4,
+    another H100): 5.45 ms (83.0 %) against 5.89 for the maps alone and 6.22 for "mixed" with
+    cuBLAS; verifies 1.01–1.10×.
 
     Whole steps on the H200 at the Llama-3.1-8B shape, compiled layers, 1k-token cache, graphed
     (`bench_verify_cost`, 2026-12-04; docs/benchmarks.md): flex verifies 2–8 tokens faster than
