@@ -19,10 +19,11 @@
 # kernels meet every verify and decode bar on an H100 at both shapes. The H200 is short: decode at
 # batch 1 reads at 72.4 % (75 % asked), and 6-8-token verifies at batch 8 cost 1.10-1.17x (1.1x).
 # Since its last H200 run the skinny maps take the layer's work around them (2026-12-05, third
-# session, never yet on a GPU): the RMSNorms in the loads of q|k|v and gate_up, q|k|v's rotary and
-# cache writes in its epilogue (`qkv_rope_cache`), the residual adds in o_proj's and down_proj's:
-# 6 kernels a layer fewer than run 2's 12 at batch 1. Run on an H200 (with `kind: nvidia-h200`;
-# name the file suffix):
+# session): the RMSNorms in the loads of q|k|v and gate_up, q|k|v's rotary and cache writes in its
+# epilogue (`qkv_rope_cache`), the residual adds in o_proj's and down_proj's: 6 kernels a layer
+# instead of run 2's 12 at batch 1. Run 4 measured that on an H100 (8B decode at batch 1: 83.0 %
+# of the read limit, verifies 1.01-1.10x); the merge of split-key attention changed after it. Run
+# on an H200 (with `kind: nvidia-h200`; name the file suffix):
 #   t    first: the Triton kernels' GPU tests (bf16 against PyTorch's, compiled target steps; about
 #        2 minutes: each block shape compiles once), since the folded kernels never ran on a GPU;
 #   k*   whole decode and verify steps at the 8B shape, batches 1 and 8, with the kernels (split-key
