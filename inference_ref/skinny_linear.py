@@ -191,7 +191,7 @@ if triton is not None:
 
 
 _tuned: dict[tuple, dict] = {}
-"""The block shape chosen per (kernel, out features, in features, row tile, dtype, device)."""
+"""The block shape chosen per (kernel, the map's shape, row tile, dtype, device)."""
 
 
 def _block_shape(key: tuple, launch, candidates: list[dict]) -> dict:
@@ -362,8 +362,8 @@ def _(x, weight, norm_weight, eps, cos, sin, k_cache, v_cache, slots):
 
 
 def _rope_candidates(tile: int, dim: int) -> list[dict]:
-    """`_candidates` whose blocks hold whole rotary pairs of one head: BLOCK_N / 2 dividing d / 2
-    (16 ≤ BLOCK_N ≤ d, a power of 2, for every tile: `fits_qkv_rope_cache`)."""
+    """`_candidates` whose blocks hold whole rotary pairs of one head: BLOCK_N / 2 dividing d / 2,
+    i.e. BLOCK_N from 2 to d dividing d (every tile has some: d ≥ 16, `fits_qkv_rope_cache`)."""
     return [c for c in _candidates(tile) if 2 <= c["BLOCK_N"] <= dim and dim % c["BLOCK_N"] == 0]
 
 
@@ -376,7 +376,7 @@ def fits_qkv_rope_cache(out_features: int, dim: int, kv_heads: int) -> bool:
 
 
 def tuned_configs() -> dict[str, dict]:
-    """The block shape chosen so far per (kernel, out features, in features, row tile, dtype, device)."""
+    """The block shape chosen so far per (kernel, the map's shape, row tile, dtype, device)."""
     return {str(key): shape for key, shape in _tuned.items()}
 
 
@@ -411,8 +411,7 @@ def project(
     operations otherwise."""
     if not _runs_skinny(linear, x):
         return _added(residual, linear(x if norm is None else norm(x)))
-    if not _folds_norm(norm, x):
-        x, norm = (x if norm is None else norm(x)), None
+    x, norm = _normed_unless_folded(norm, x)
     if not _folds_residual(residual, x):
         return _added(residual, skinny_linear(x, linear.weight, False, None, *_norm_args(norm)))
     return skinny_linear(x, linear.weight, False, residual, *_norm_args(norm))
@@ -452,8 +451,7 @@ def project_qkv(
         and k_cache.dtype == v_cache.dtype == x.dtype
     ):
         return None
-    if norm is not None and not _folds_norm(norm, x):  # another norm (an nn.Identity, say) first
-        x, norm = norm(x), None
+    x, norm = _normed_unless_folded(norm, x)
     return qkv_rope_cache(x, linear.weight, *_norm_args(norm), cos, sin, k_cache, v_cache, slots)
 
 
@@ -464,6 +462,16 @@ def _added(residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
 def _norm_args(norm: RMSNorm | None) -> tuple:
     """The kernels' (norm_weight, eps)."""
     return (None, 0.0) if norm is None else (norm.weight, norm.eps)
+
+
+def _normed_unless_folded(
+    norm: torch.nn.Module | None, x: torch.Tensor
+) -> tuple[torch.Tensor, RMSNorm | None]:
+    """(x, norm) where the kernel folds the norm; else (norm(x), None): a norm it does not take
+    (more than one row, another kind of norm, an nn.Identity) runs first, as its own operation."""
+    if norm is None or _folds_norm(norm, x):
+        return x, norm
+    return norm(x), None
 
 
 def _folds_norm(norm: RMSNorm | None, x: torch.Tensor) -> bool:

@@ -145,8 +145,7 @@ def check_qkv_rope_cache(device: str, dtype: torch.dtype) -> None:
         x = torch.randn(batch, new, features, device=device, dtype=dtype)
         w = torch.randn((heads + 2 * kv_heads) * dim, features, device=device, dtype=dtype) / features**0.5
         g = 1 + 0.5 * torch.randn(features, device=device, dtype=dtype)
-        angles = torch.rand(batch, new, dim // 2, device=device) * 6.28
-        cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+        cos, sin = rotary_tables(batch, new, dim, device, dtype)
         slots = torch.stack([torch.randperm(capacity, device=device)[:new] for _ in range(batch)])
         if batch == 3:  # consecutive, as a decode or verify step places them
             slots = (
@@ -179,6 +178,12 @@ def check_qkv_rope_cache(device: str, dtype: torch.dtype) -> None:
         (*args, None, 0.0, cos, cos, k_cache, v_cache, slots),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+def rotary_tables(batch: int, new: int, dim: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, S, d] of random angles, repeated over the two halves as `Rotary`'s are."""
+    angles = torch.rand(batch, new, dim // 2, device=device) * 6.28
+    return tuple(torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
 
 
 def qkv_reference(x, w, norm, cos, sin, heads: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
@@ -232,8 +237,7 @@ def check_block_shapes(device: str, dtype: torch.dtype) -> None:
 
 def check_qkv_shape(w, norm, batch: int, new: int, dim: int, device, dtype, shape: dict) -> None:
     x = torch.randn(batch, new, w.shape[1], device=device, dtype=dtype)
-    angles = torch.rand(batch, new, dim // 2, device=device) * 6.28
-    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    cos, sin = rotary_tables(batch, new, dim, device, dtype)
     k_cache, v_cache = (torch.zeros(batch, new + 3, 1, dim, device=device, dtype=dtype) for _ in "kv")
     slots = (torch.arange(new, device=device) + 2).expand(batch, new)
     got = qkv_rope_cache(x, w, norm, 1e-5, cos, sin, k_cache, v_cache, slots)
