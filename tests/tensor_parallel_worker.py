@@ -5,6 +5,7 @@ writes the figures as JSON to argv[1]."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -81,11 +82,15 @@ def main(result: Path) -> None:
         results.update(compare(name, whole, sharded, head_dir, prompts))
     if dist.get_rank() == 0:
         result.write_text(json.dumps(results, indent=1))
-    # Both ranks done before either tears its groups down. Without this barrier rank 0 aborted
-    # once in CI after the checks (2026-12-05; SIGABRT, "terminate called without an active
-    # exception": a gloo thread left unjoined); a peer tearing down first is the likely cause.
+    # Both ranks done, then out without tearing the groups down. Rank 0 aborted in CI after the
+    # checks, twice on 2026-12-05 (SIGABRT, "terminate called without an active exception": a
+    # gloo thread of the device mesh's groups left unjoined when C++ tears them down), the second
+    # time with a barrier before `destroy_process_group`. The results are written and both ranks
+    # are past the barrier: nothing is left for the teardown to do, so the process ends there.
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
