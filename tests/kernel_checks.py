@@ -206,11 +206,14 @@ def check_block_shapes(device: str, dtype: torch.dtype) -> None:
     w = torch.randn(200, features, device=device, dtype=dtype) / features**0.5
     g = 1 + 0.5 * torch.randn(features, device=device, dtype=dtype)
     w_qkv = torch.randn(4 * dim, features, device=device, dtype=dtype) / features**0.5  # 2 + 2 · 1 heads
-    shapes, timed = [], skinny._block_shape
+    timed = skinny._block_shape
     try:
         for tile in (1, 16, 64):
             for shape in skinny._candidates(tile, gpu=True):
-                skinny._block_shape = lambda key, launch, candidates, shape=shape: shape
+                launched = []  # the kernels asked for a block shape: none fell back to PyTorch
+                skinny._block_shape = lambda key, launch, candidates, shape=shape, launched=launched: (
+                    launched.append(key) or shape
+                )
                 rows = 1 if tile == 1 else tile // 2 + 1  # a tile of its own size
                 x = torch.randn(rows, features, device=device, dtype=dtype)
                 r = torch.randn(rows, 200, device=device, dtype=dtype)
@@ -229,10 +232,14 @@ def check_block_shapes(device: str, dtype: torch.dtype) -> None:
                 if shape["BLOCK_N"] >= 2:
                     batch, new = (1, 1) if tile == 1 else (rows // 4 + 1, 4)
                     check_qkv_shape(w_qkv, g if tile == 1 else None, batch, new, dim, device, dtype, shape)
-                shapes.append(shape)
+                assert len(launched) == len(cases) + (shape["BLOCK_N"] >= 2), (
+                    "launches",
+                    tile,
+                    shape,
+                    launched,
+                )
     finally:
         skinny._block_shape = timed
-    assert len(shapes) == sum(len(skinny._candidates(t, gpu=True)) for t in (1, 16, 64))
 
 
 def check_qkv_shape(w, norm, batch: int, new: int, dim: int, device, dtype, shape: dict) -> None:
