@@ -115,32 +115,23 @@ if triton is not None:
         Part, Lse, Out,
         stride_ob, stride_os, stride_oh,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
-        ROWS: tl.constexpr, DIM: tl.constexpr, PER_PROGRAM: tl.constexpr,
+        ROWS: tl.constexpr, DIM: tl.constexpr,
     ):  # fmt: skip
-        # PER_PROGRAM tile rows of one (row, K/V head), each its shares' outputs weighted by their
-        # exp2(lse), all shares loaded at once (`merge_rows_per_program`).
-        pair, first = tl.program_id(0), tl.program_id(1) * PER_PROGRAM
+        # One tile row of one (row, K/V head): its shares' outputs weighted by their exp2(lse),
+        # all shares loaded at once. One row a program: taking a token's whole group of query
+        # heads instead (a quarter of the programs at batch 8 × 8 tokens) left the merge's time
+        # as it was on an H100 (0.228 ms a step, 2026-12-06).
+        pair, r = tl.program_id(0), tl.program_id(1)
         b, kv_head = (pair // KV_HEADS).to(tl.int64), pair % KV_HEADS
+        s, head = r // GROUP, kv_head * GROUP + r % GROUP
         d = tl.arange(0, DIM)
         shares = tl.arange(0, SPLITS_POW2)
-        for i in tl.static_range(PER_PROGRAM):
-            r = first + i
-            s, head = r // GROUP, kv_head * GROUP + r % GROUP
-            at = (pair * SPLITS + shares) * ROWS + r
-            lse = tl.load(Lse + at, mask=shares < SPLITS, other=float("-inf"))
-            w = tl.exp2(lse - tl.max(lse, 0))  # 0 for a share that saw no key
-            part = tl.load(Part + at[:, None] * DIM + d[None, :], mask=(shares < SPLITS)[:, None], other=0.0)
-            o = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
-            tl.store(Out + b * stride_ob + s * stride_os + head * stride_oh + d, o.to(Out.dtype.element_ty))
-
-
-def merge_rows_per_program(batch: int, kv_heads: int, new: int, group: int, device: torch.device) -> int:
-    """Tile rows one merge program takes: one, so that every load is in flight at once, until the
-    rows pass four per multiprocessor; then a token's whole group of query heads. The merge of an
-    8-token verify at batch 8 (2,048 programs of one row) took 7.1 µs a layer against 1.9 for the
-    decode's 256 (H100 and H200, 2026-12-05): its programs cost by their number, not their loads."""
-    rows = batch * kv_heads * new * group
-    return group if rows > 4 * _multiprocessor_count(device) else 1
+        at = (pair * SPLITS + shares) * ROWS + r
+        lse = tl.load(Lse + at, mask=shares < SPLITS, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, 0))  # 0 for a share that saw no key
+        part = tl.load(Part + at[:, None] * DIM + d[None, :], mask=(shares < SPLITS)[:, None], other=0.0)
+        o = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+        tl.store(Out + b * stride_ob + s * stride_os + head * stride_oh + d, o.to(Out.dtype.element_ty))
 
 
 @torch.library.custom_op("inference_ref::split_kv_attention", mutates_args=())
@@ -169,11 +160,10 @@ def split_kv_attention(
         KV_HEADS=kv_heads, GROUP=group, SPLITS=splits, ROWS=rows, KEYS=BLOCK_KEYS, DIM=dim,
         PRECISION=precision,
     )  # fmt: skip
-    per_program = merge_rows_per_program(batch, kv_heads, new, group, q.device)
-    _split_kv_attention_merge[(batch * kv_heads, new * group // per_program)](
+    _split_kv_attention_merge[(batch * kv_heads, new * group)](
         part, lse, out, out.stride(0), out.stride(1), out.stride(2),
         KV_HEADS=kv_heads, GROUP=group, SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits),
-        ROWS=rows, DIM=dim, PER_PROGRAM=per_program,
+        ROWS=rows, DIM=dim,
     )  # fmt: skip
     return out
 

@@ -363,10 +363,9 @@ def compile_for_hopper(kernel: str) -> list[str]:
                     constants,
                 )
             )
-        for per_program in (1, 4):
-            constants = dict(**heads, SPLITS_POW2=16, ROWS=16, PER_PROGRAM=per_program)
-            merge = split._split_kv_attention_merge
-            done.append(compiled(merge, "Part Lse Out", "stride_ob stride_os stride_oh", constants))
+        constants = dict(**heads, SPLITS_POW2=16, ROWS=16)
+        merge = split._split_kv_attention_merge
+        done.append(compiled(merge, "Part Lse Out", "stride_ob stride_os stride_oh", constants))
     return done
 
 
