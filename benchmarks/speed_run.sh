@@ -22,10 +22,11 @@
 # session): the RMSNorms in the loads of q|k|v and gate_up, q|k|v's rotary and cache writes in its
 # epilogue (`qkv_rope_cache`), the residual adds in o_proj's and down_proj's: 6 kernels a layer
 # instead of run 2's 12 at batch 1. Run 4 measured that on an H100 (8B decode at batch 1: 83.0 %
-# of the read limit, verifies 1.01-1.10x); the merge of split-key attention changed after it. Run
-# on an H200 (with `kind: nvidia-h200`; name the file suffix):
-#   t    first: the Triton kernels' GPU tests (bf16 against PyTorch's, compiled target steps; about
-#        2 minutes: each block shape compiles once), since the folded kernels never ran on a GPU;
+# of the read limit, verifies 1.01-1.10x), and run 5 again on an H100 (2026-12-06, the GPU tests
+# passed). Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
+# nvidia-smi names another GPU: H100s came for the last three runs asked for an H200):
+#   t    the Triton kernels' GPU tests (bf16 against PyTorch's, compiled target steps; about
+#        2 minutes: each block shape compiles once; passed on an H100 in run 5);
 #   k*   whole decode and verify steps at the 8B shape, batches 1 and 8, with the kernels (split-key
 #        attention, the skinny linear map with the layer folded in: the default), with the maps
 #        alone (--unfolded), and mixed attention with cuBLAS, one after another on the same machine;
