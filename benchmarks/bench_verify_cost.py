@@ -79,12 +79,13 @@ def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> float:
 
 
 @torch.inference_mode()
-def verify_costs(model, batches, new_tokens) -> dict[str, dict[str, float]]:
-    """ms of one verify forward (all positions' logits) per (batch, new tokens)."""
+def verify_costs(model, batches, new_tokens, context: int = CONTEXT) -> dict[str, dict[str, float]]:
+    """ms of one verify forward (all positions' logits) per (batch, new tokens), after `context`
+    committed tokens per row."""
     out = {}
     for b in batches:
-        cache = model.new_cache(b, CONTEXT + max(new_tokens) + 1)
-        cache.lengths.fill_(CONTEXT)
+        cache = model.new_cache(b, context + max(new_tokens) + 1)
+        cache.lengths.fill_(context)
         out[str(b)] = {}
         for n in new_tokens:
             ids = torch.randint(0, model.cfg.vocab_size, (b, n), device=DEVICE)
@@ -99,7 +100,7 @@ def verify_costs(model, batches, new_tokens) -> dict[str, dict[str, float]]:
 
 
 @torch.inference_mode()
-def draft_costs(cfg, batches) -> dict[str, float]:
+def draft_costs(cfg, batches, context: int = CONTEXT) -> dict[str, float]:
     """ms of one draft step per batch: a one-layer model of the target's layer shape (its layer,
     the shared embedding, final norm and lm_head) plus the head's fc (2H → H), one token per row."""
     layer = TARGET_KINDS[cfg.model_type].random(
@@ -108,8 +109,8 @@ def draft_costs(cfg, batches) -> dict[str, float]:
     fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False, device=DEVICE, dtype=DTYPE)
     out = {}
     for b in batches:
-        cache = layer.new_cache(b, CONTEXT + 8)
-        cache.lengths.fill_(CONTEXT)
+        cache = layer.new_cache(b, context + 8)
+        cache.lengths.fill_(context)
         ids = torch.randint(0, cfg.vocab_size, (b, 1), device=DEVICE)
         state = torch.randn(b, 1, 2 * cfg.hidden_size, device=DEVICE, dtype=DTYPE)
 
@@ -125,7 +126,7 @@ PROFILED_NEW_TOKENS = (1, 8)  # a decode step, and the verify of 8 tokens #36 ho
 
 
 @torch.inference_mode()
-def decode_profiles(model, batches, device_name: str, repeats: int = 10) -> dict:
+def decode_profiles(model, batches, device_name: str, context: int = CONTEXT, repeats: int = 10) -> dict:
     """Where a replayed decode or verify step's time goes, per batch and new tokens per row
     (`PROFILED_NEW_TOKENS`): GPU ms per step by kernel kind, the step's wall ms, and the matmuls' own
     read rate over the linear weights they stream (#36's 75 % at batch 1: is the step's excess over
@@ -136,8 +137,8 @@ def decode_profiles(model, batches, device_name: str, repeats: int = 10) -> dict
     bandwidth = peak_bandwidth(device_name)
     out = {}
     for b in batches:
-        cache = model.new_cache(b, CONTEXT + max(PROFILED_NEW_TOKENS) + 1)
-        cache.lengths.fill_(CONTEXT)
+        cache = model.new_cache(b, context + max(PROFILED_NEW_TOKENS) + 1)
+        cache.lengths.fill_(context)
         out[str(b)] = {}
         for n in PROFILED_NEW_TOKENS:
             ids = torch.randint(0, model.cfg.vocab_size, (b, n), device=DEVICE)
@@ -164,12 +165,12 @@ def decode_profiles(model, batches, device_name: str, repeats: int = 10) -> dict
     return out
 
 
-def decode_read_limits(cfg, verify: dict, device_name: str) -> dict | None:
+def decode_read_limits(cfg, verify: dict, device_name: str, context: int = CONTEXT) -> dict | None:
     """Per batch, the bytes a decode step must read (`common.decode_read_bytes`), the ms that takes
     at the device's peak bandwidth, and the measured decode step's share of that peak (#36: 75 % at
     batch 1). None where the kind or the device has no such count."""
     bandwidth = peak_bandwidth(device_name)
-    reads = {bs: decode_read_bytes(cfg, int(bs), CONTEXT) for bs in verify}
+    reads = {bs: decode_read_bytes(cfg, int(bs), context) for bs in verify}
     if bandwidth is None or None in reads.values():
         return None
     limits = {bs: read / bandwidth * 1e3 for bs, read in reads.items()}
@@ -179,7 +180,8 @@ def decode_read_limits(cfg, verify: dict, device_name: str) -> dict | None:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, command: str | None = None) -> None:
+    """argv: the arguments (sys.argv's by default); command: the command line the JSON records."""
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="llama3_8b")
     p.add_argument("--layers", type=int, nargs=2, default=None, help="measure at two depths, extrapolate")
@@ -209,6 +211,7 @@ def main() -> None:
     )
     p.add_argument("--tag", default="", help="added to the file name (a partial grid, another device)")
     p.add_argument("--new-tokens", type=int, nargs="+", default=list(NEW_TOKENS), help="per row, 1 = decode")
+    p.add_argument("--context", type=int, default=CONTEXT, help="committed tokens per row before the step")
     p.add_argument(
         "--compiled-layers",
         action="store_true",
@@ -228,7 +231,7 @@ def main() -> None:
         "(`decode_profile` in the JSON, by batch, then new tokens); "
         "written to verify_cost_<shape>[...]_profiled.json",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.autotune and not args.compiled_layers:
         p.error("--autotune tunes the compiled layers: add --compiled-layers")
     if args.profile and args.layers:
@@ -246,9 +249,9 @@ def main() -> None:
         model = TARGET_KINDS[cfg.model_type].random(part, DEVICE, DTYPE, 0)
         if args.compiled_layers:
             model.compile_layers()
-        measured[depth] = verify_costs(model, args.batches, args.new_tokens)
+        measured[depth] = verify_costs(model, args.batches, args.new_tokens, args.context)
         if args.profile:
-            profiles = decode_profiles(model, args.batches, torch.cuda.get_device_name())
+            profiles = decode_profiles(model, args.batches, torch.cuda.get_device_name(), args.context)
         ran_compiled = model.runs_compiled("cached")  # false too where the compile fell back to eager
         del model
         torch.cuda.empty_cache()
@@ -277,7 +280,7 @@ def main() -> None:
     write_result(
         f"verify_cost_{args.shape}{suffix}",
         {
-            "command": "python -m benchmarks.bench_verify_cost " + " ".join(sys.argv[1:]),
+            "command": command or "python -m benchmarks.bench_verify_cost " + " ".join(sys.argv[1:]),
             "shape": args.shape,
             "cached_kernel": args.cached_kernel,
             "linear_kernel": args.linear_kernel,
@@ -286,15 +289,15 @@ def main() -> None:
             "compiled_layers": args.compiled_layers,
             "autotune": args.autotune,
             "compiled_layers_ran": ran_compiled,
-            "context_tokens": CONTEXT,
+            "context_tokens": args.context,
             "measured_layers": depths,
             "layers": cfg.num_hidden_layers,  # the shape's (what mtp_train.projection costs a layer by)
             "extrapolated": len(depths) == 2,
             "verify_ms": verify,
             "verify_ms_measured": {str(d): m for d, m in measured.items()} if len(depths) == 2 else None,
-            "draft_step_ms": draft_costs(cfg, args.batches),
+            "draft_step_ms": draft_costs(cfg, args.batches, args.context),
             "peak_bandwidth_bytes_per_s": peak_bandwidth(device_name),
-            "decode_read": decode_read_limits(cfg, verify, device_name),
+            "decode_read": decode_read_limits(cfg, verify, device_name, args.context),
             "decode_profile": profiles,
         },
     )

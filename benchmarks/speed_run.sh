@@ -23,8 +23,11 @@
 # epilogue (`qkv_rope_cache`), the residual adds in o_proj's and down_proj's: 6 kernels a layer
 # instead of run 2's 12 at batch 1. Run 4 measured that on an H100 (8B decode at batch 1: 83.0 %
 # of the read limit, verifies 1.01-1.10x), and run 5 again on an H100 (2026-12-06, the GPU tests
-# passed). Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
-# nvidia-smi names another GPU: H100s came for the last three runs asked for an H200):
+# passed). Run 6 (2026-12-06, an H200 at last, 8.6 minutes for the items below but t, g,
+# k_mixed_skinny and the unfolded ones): 8B verifies within 1.1x, decode at batch 1 74.0 % (75.1 %
+# with the block shapes added after it), 70B verifies at batch 8 of 6-8 tokens 1.14-1.20x.
+# Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
+# nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, compiled target steps; about
 #        2 minutes: each block shape compiles once; passed on an H100 in run 5);
 #   k*   whole decode and verify steps at the 8B shape, batches 1 and 8, with the kernels (split-key
@@ -36,7 +39,9 @@
 #   g    each map alone: cuBLAS, Inductor's reduction, the skinny kernel;
 #   decode64  decoding at batch 64 against HF generate with the new defaults (#36: >= 10x);
 #   k_mixed_skinny  flex verifies with the skinny maps;
-#   spec_b*  the speculative loop against its projection.
+#   spec_b*  the speculative loop against its projection;
+#   k64*, p64*  decode and 2-4-token verifies at batches 16-64 over decode64's cache length, with the
+#        kernels, with cuBLAS maps, and mixed attention with cuBLAS; batch 64's step profiled by kernel kind.
 # Then the full rerun:
 #   1-3  whole verify steps at the 8B shape, compiled layers: the previous default (mixed: SDPA decodes,
 #        flex verifies), flex and SDPA alone, one after another on the same machine;
@@ -80,6 +85,14 @@ run decode64 python -m benchmarks.bench_decode --shape llama3_8b --batch 64 --ne
 run k_mixed_skinny $k --cached-kernel mixed --linear-kernel skinny
 run spec_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128
 run spec_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128
+# decode64's step against the maps' kernels at batches 16-64 with decode64's cache (256 committed tokens)
+k64="$v --shape llama3_8b --compiled-layers --batches 16 32 64 --new-tokens 1 2 4 --context 256 --tag b64"
+run k64_split_skinny $k64 --cached-kernel split --linear-kernel skinny
+run k64_split_cublas $k64 --cached-kernel split --linear-kernel cublas
+run k64_mixed_cublas $k64 --cached-kernel mixed --linear-kernel cublas
+p64="$v --shape llama3_8b --compiled-layers --batches 64 --new-tokens 1 --context 256 --profile --cached-kernel split --tag b64"
+run p64 $p64 --linear-kernel skinny
+run p64_cublas $p64 --linear-kernel cublas
 run mixed $v --shape llama3_8b --cached-kernel mixed --compiled-layers
 run flex $v --shape llama3_8b --cached-kernel flex --compiled-layers
 run sdpa $v --shape llama3_8b --compiled-layers

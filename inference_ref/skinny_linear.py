@@ -28,14 +28,16 @@ MAX_ROWS = 64
 
 
 def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
-    """Block shapes to try for a row tile: (BLOCK_N, BLOCK_K, num_warps, num_stages). One row
+    """Block shapes to try for a row tile: (BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP). One row
     multiplies and sums along K (no tile of 16 rows to fill): narrow blocks, long K steps, and
     without pipelining stages as well as with them (a plain streaming read may do best with many
     programs resident per SM and nothing staged through shared memory: Inductor's reductions).
+    A tile of rows also tries its dot swapped (SWAP: the weight rows as the dot's M side, as
+    serving engines' skinny GEMMs do, so that Hopper's wgmma, 64 rows a warp group, holds them).
     Under Triton's interpreter one small shape, untimed (`gpu`: the GPU's, which the checks force
     one by one)."""
     if not gpu:
-        shapes = [(16, 64, 4, 1)]
+        shapes = [(16, 64, 4, 1, False)]
     elif tile == 1:
         shapes = [
             (1, 2048, 4, 1), (1, 2048, 8, 1), (1, 2048, 16, 1), (1, 4096, 8, 1), (1, 4096, 16, 1),
@@ -43,7 +45,9 @@ def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
             (2, 2048, 4, 1), (2, 2048, 8, 1), (4, 1024, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 1),
             (8, 1024, 8, 1), (4, 1024, 4, 3), (4, 1024, 8, 4), (8, 512, 4, 3), (8, 512, 8, 4),
             (8, 1024, 8, 4), (16, 512, 4, 3), (16, 512, 8, 4),
+            (8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 8, 1), (16, 2048, 16, 1),
         ]  # fmt: skip
+        shapes = [(*shape, False) for shape in shapes]
     else:
         shapes = [
             (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 4), (32, 256, 4, 4), (32, 256, 8, 5),
@@ -51,7 +55,12 @@ def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
             (64, 64, 4, 6), (128, 64, 4, 4), (128, 128, 8, 3), (16, 256, 8, 5), (32, 128, 8, 4),
             (64, 64, 8, 8),
         ]  # fmt: skip
-    return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st} for n, k, w, st in shapes]
+        swapped = [(64, 128, 4, 4), (64, 256, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3)]
+        shapes = [(*shape, False) for shape in shapes] + [(*shape, True) for shape in swapped]
+    return [
+        {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st, "SWAP": swap}
+        for n, k, w, st, swap in shapes
+    ]
 
 
 if triton is not None:
@@ -99,11 +108,16 @@ if triton is not None:
     def _tile_product(
         X, W, n, M, N, K, stride_xm, stride_wn,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        SWAP: tl.constexpr,
     ):  # fmt: skip
         # x[m] · w[n] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`). x goes into the dot
         # as loaded: computed on before it (SiLU·up, 2026-12-05) the maps ran 2× slower on an H200.
+        # SWAP: w · xᵀ, [BLOCK_N, ROWS], transposed once at the end.
         m = tl.arange(0, ROWS)
-        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
+        else:
+            acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         for first in range(0, K, BLOCK_K):
             k = first + tl.arange(0, BLOCK_K)
             x = tl.load(
@@ -117,14 +131,21 @@ if triton is not None:
                 other=0.0,
                 eviction_policy="evict_first",
             )
-            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        return acc
+            if SWAP:
+                acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        if SWAP:
+            out = tl.trans(acc)
+        else:
+            out = acc
+        return out
 
     @triton.jit
     def _skinny_gemm(
         X, W, Y, R, G, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        GATED: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+        GATED: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr, SWAP: tl.constexpr,
     ):  # fmt: skip
         # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL).
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -135,7 +156,9 @@ if triton is not None:
             tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
         else:
             m = tl.arange(0, ROWS)
-            acc = _tile_product(X, W, n, M, N, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION)
+            acc = _tile_product(
+                X, W, n, M, N, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP
+            )
             inside = (m[:, None] < M) & (n[None, :] < N)
             if RESIDUAL:
                 acc += tl.load(R + m[:, None] * stride_rm + n[None, :], mask=inside, other=0.0).to(tl.float32)
@@ -148,7 +171,7 @@ if triton is not None:
         stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        NORM: tl.constexpr,
+        NORM: tl.constexpr, SWAP: tl.constexpr,
     ):  # fmt: skip
         # BLOCK_N / 2 rotary pairs (j, j + DIM / 2) of one head of q, k or v: the weight rows of
         # each pair side by side, so that the epilogue rotates q and k as `apply_rotary` does (the
@@ -167,7 +190,7 @@ if triton is not None:
             a, b = tl.split(tl.reshape(y, [1, PAIRS, 2]))
         else:
             m = tl.arange(0, ROWS)[:, None]
-            y = _tile_product(X, W, n, M, N, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION)
+            y = _tile_product(X, W, n, M, N, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP)
             a, b = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         there = m < M
         j = j[None, :]

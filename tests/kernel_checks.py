@@ -198,7 +198,9 @@ def qkv_reference(x, w, norm, cos, sin, heads: int, kv_heads: int, dim: int) -> 
 def check_block_shapes(device: str, dtype: torch.dtype) -> None:
     """Every block shape the GPU's tuning may choose, forced one at a time (the tuning keeps only the
     fastest, and the interpreter runs one): `skinny_linear` plain, normed with a residual and gated
-    at one row, at 16- and 64-row tiles; `qkv_rope_cache` at one normed row and at 64 rows."""
+    at one row, and plain with a tile of rows; `qkv_rope_cache` at one normed row and with a tile of
+    rows. The row tiles take the same shapes: each is forced once, at a 16- or a 64-row tile in turn
+    (the rows change the masks of x, not the shape's own blocks)."""
     import inference_ref.skinny_linear as skinny
 
     torch.manual_seed(0)
@@ -208,36 +210,38 @@ def check_block_shapes(device: str, dtype: torch.dtype) -> None:
     w_qkv = torch.randn(4 * dim, features, device=device, dtype=dtype) / features**0.5  # 2 + 2 · 1 heads
     timed = skinny._block_shape
     try:
-        for tile in (1, 16, 64):
-            for shape in skinny._candidates(tile, gpu=True):
-                launched = []  # the kernels asked for a block shape: none fell back to PyTorch
-                skinny._block_shape = lambda key, launch, candidates, shape=shape, launched=launched: (
-                    launched.append(key) or shape
+        forced = [(1, shape) for shape in skinny._candidates(1, gpu=True)]
+        forced += [((16, 64)[i % 2], shape) for i, shape in enumerate(skinny._candidates(16, gpu=True))]
+        for tile, shape in forced:
+            launched = []  # the kernels asked for a block shape: none fell back to PyTorch
+            skinny._block_shape = lambda key, launch, candidates, shape=shape, launched=launched: (
+                launched.append(key) or shape
+            )
+            rows = 1 if tile == 1 else tile // 2 + 1  # a tile of its own size
+            x = torch.randn(rows, features, device=device, dtype=dtype)
+            r = torch.randn(rows, 200, device=device, dtype=dtype)
+            cases = [((x, w), F.linear(x.double(), w.double()))]
+            if tile == 1:
+                normed = F.linear(rms_norm(x.double(), g.double(), 1e-5), w.double())
+                cases.append(((x, w, False, r, g, 1e-5), normed + r))
+                gate_up = torch.randn(1, 2 * features, device=device, dtype=dtype)
+                gate, up = gate_up.double().chunk(2, -1)
+                cases.append(
+                    ((gate_up, w, True), F.linear((F.silu(gate) * up).to(dtype).double(), w.double()))
                 )
-                rows = 1 if tile == 1 else tile // 2 + 1  # a tile of its own size
-                x = torch.randn(rows, features, device=device, dtype=dtype)
-                r = torch.randn(rows, 200, device=device, dtype=dtype)
-                cases = [((x, w), F.linear(x.double(), w.double()))]
-                if tile == 1:
-                    normed = F.linear(rms_norm(x.double(), g.double(), 1e-5), w.double())
-                    cases.append(((x, w, False, r, g, 1e-5), normed + r))
-                    gate_up = torch.randn(1, 2 * features, device=device, dtype=dtype)
-                    gate, up = gate_up.double().chunk(2, -1)
-                    cases.append(
-                        ((gate_up, w, True), F.linear((F.silu(gate) * up).to(dtype).double(), w.double()))
-                    )
-                for args, want in cases:
-                    err = relative_error(skinny_linear(*args), want)
-                    assert err < tolerance(dtype), ("skinny", tile, shape, len(args), err)
-                if shape["BLOCK_N"] >= 2:
-                    batch, new = (1, 1) if tile == 1 else (rows // 4 + 1, 4)
-                    check_qkv_shape(w_qkv, g if tile == 1 else None, batch, new, dim, device, dtype, shape)
-                assert len(launched) == len(cases) + (shape["BLOCK_N"] >= 2), (
-                    "launches",
-                    tile,
-                    shape,
-                    launched,
-                )
+            for args, want in cases:
+                err = relative_error(skinny_linear(*args), want)
+                assert err < tolerance(dtype), ("skinny", tile, shape, len(args), err)
+            rope = 2 <= shape["BLOCK_N"] <= dim and dim % shape["BLOCK_N"] == 0  # `_rope_candidates`
+            if rope:
+                batch, new = (1, 1) if tile == 1 else (rows // 4 + 1, 4)
+                check_qkv_shape(w_qkv, g if tile == 1 else None, batch, new, dim, device, dtype, shape)
+            assert len(launched) == len(cases) + rope, (
+                "launches",
+                tile,
+                shape,
+                launched,
+            )
     finally:
         skinny._block_shape = timed
 
@@ -311,7 +315,7 @@ def compile_for_hopper(kernel: str) -> list[str]:
     """Compile a Triton kernel's variants for sm90 (an H100 or H200) on this machine, with the
     ptxas Triton ships: what only a GPU's compiler rejects (layouts, `qkv_rope_cache`'s reshapes
     and joins of rotary pairs) shows without one. Representative block shapes (the narrowest and a
-    wide one-row one, 16- and 64-row tiles); the other candidates differ in numbers only, and one
+    wide one-row one, 16- and 64-row tiles, plain and swapped); the other candidates differ in numbers only, and one
     past a GPU's shared memory is dropped when the shapes are timed. A line per variant."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -328,14 +332,17 @@ def compile_for_hopper(kernel: str) -> list[str]:
         binary = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         return f"{fn.__name__} {constants} {options}: {binary.metadata.shared} B shared"
 
-    shapes = [(1, 2, 2048, 4, 1), (1, 16, 512, 8, 4), (16, 16, 256, 4, 4), (64, 128, 64, 4, 4)]
+    shapes = [
+        (1, 2, 2048, 4, 1, False), (1, 16, 512, 8, 4, False), (16, 16, 256, 4, 4, False),
+        (64, 128, 64, 4, 4, False), (16, 64, 128, 4, 4, True), (64, 128, 128, 8, 3, True),
+    ]  # fmt: skip
     tile = {"PRECISION": "tf32"}
     done = []
     if kernel == "skinny":
         pointers, scalars = "X W Y R G", "M N K stride_xm stride_wn stride_ym stride_rm eps"
-        for rows, n, k, warps, stages in shapes:
+        for rows, n, k, warps, stages, swap in shapes:
             for gated, residual, norm in ((False, False, rows == 1), (rows == 1, True, False)):
-                flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm)
+                flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap)
                 constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags)
                 done.append(compiled(skinny._skinny_gemm, pointers, scalars, constants, warps, stages))
     elif kernel == "qkv_rope_cache":
@@ -344,10 +351,18 @@ def compile_for_hopper(kernel: str) -> list[str]:
             "M K new eps stride_xm stride_wn stride_qm stride_qh stride_cm stride_sb stride_ss "
             "stride_kb stride_kl stride_kh stride_vb stride_vl stride_vh"
         )
-        for rows, n, k, warps, stages in shapes:
+        for rows, n, k, warps, stages, swap in shapes:
             for norm in {rows == 1, False}:
                 constants = dict(
-                    HEADS=32, KV_HEADS=8, DIM=128, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, NORM=norm
+                    HEADS=32,
+                    KV_HEADS=8,
+                    DIM=128,
+                    ROWS=rows,
+                    BLOCK_N=n,
+                    BLOCK_K=k,
+                    **tile,
+                    NORM=norm,
+                    SWAP=swap,
                 )
                 done.append(compiled(skinny._qkv_rope_cache, pointers, scalars, constants, warps, stages))
     else:
