@@ -1,12 +1,12 @@
 """`bench_verify_cost` with the skinny maps' block-shape candidates as they were before 2026-12-06
 ("before": no swapped tiles, none of the four one-row shapes added then) or as they are ("after"),
 to measure what the added candidates buy in the same run (the tuning keeps the fastest per map
-shape, so more candidates can only win where they are faster). The arguments after the first are
-`bench_verify_cost`'s; give each half its own --tag.
+shape, so more candidates win where they time faster, within the timing's noise). The arguments
+after the first are `bench_verify_cost`'s; without a --tag each half gets shapes_before or shapes_after.
 
     python -m benchmarks.bench_block_shapes before --shape llama3_8b --compiled-layers \
-        --batches 1 8 16 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny --tag shapes_before
-    python -m benchmarks.bench_block_shapes after  ... --tag shapes_after
+        --batches 1 8 16 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny
+    python -m benchmarks.bench_block_shapes after  ...
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ def candidates_before(tile: int, gpu: bool = not skinny.INTERPRETED) -> list[dic
 
 
 def main() -> None:
-    which, rest = sys.argv[1], sys.argv[2:]
+    which, rest = (sys.argv[1:2] or [""])[0], sys.argv[2:]
     if which not in ("before", "after"):
         sys.exit(f"bench_block_shapes: first argument {which!r}: before or after")
+    if "--tag" not in rest:  # each half its own file, neither the untagged one of bench_verify_cost
+        rest += ["--tag", f"shapes_{which}"]
     if which == "before":
         skinny._candidates = candidates_before  # `_rope_candidates` filters these too
     bench_verify_cost.main(rest, "python -m benchmarks.bench_block_shapes " + " ".join(sys.argv[1:]))

@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     write_result(
         f"verify_cost_{args.shape}{suffix}",
         {
-            "command": command or "python -m benchmarks.bench_verify_cost " + " ".join(sys.argv[1:]),
+            "command": command
+            or "python -m benchmarks.bench_verify_cost " + " ".join(sys.argv[1:] if argv is None else argv),
             "shape": args.shape,
             "cached_kernel": args.cached_kernel,
             "linear_kernel": args.linear_kernel,

@@ -25,11 +25,13 @@
 # of the read limit, verifies 1.01-1.10x), and run 5 again on an H100 (2026-12-06, the GPU tests
 # passed). Run 6 (2026-12-06, an H200 at last, 8.6 minutes for the items below but t, g,
 # k_mixed_skinny and the unfolded ones): 8B verifies within 1.1x, decode at batch 1 74.0 % (75.1 %
-# with the block shapes added after it), 70B verifies at batch 8 of 6-8 tokens 1.14-1.20x.
+# with the block shapes added after it), 70B verifies at batch 8 of 6-8 tokens 1.14-1.20x (run 6).
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
-#   t    the Triton kernels' GPU tests (bf16 against PyTorch's, compiled target steps; about
-#        2 minutes: each block shape compiles once; passed on an H100 in run 5);
+#   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
+#        compiled target steps; more than 4 minutes since block_shapes forces about 55 shapes,
+#        each compiled; passed on an H100 in run 5, and on 2026-12-06 up to the compiled steps,
+#        which the call's limit cut);
 #   k*   whole decode and verify steps at the 8B shape, batches 1 and 8, with the kernels (split-key
 #        attention, the skinny linear map with the layer folded in: the default), with the maps
 #        alone (--unfolded), and mixed attention with cuBLAS, one after another on the same machine;

@@ -213,8 +213,8 @@ def use_cached_kernel(name: str) -> None:
     4.84, 4.36 ms (72.4 %) with the gated down_proj. With the layer folded into the maps (run 4,
     another H100): 5.45 ms (83.0 %) against 5.89 for the maps alone and 6.22 for "mixed" with
     cuBLAS; verifies 1.01–1.10×. On an H200 (run 6, 2026-12-06): 4.27 ms (74.0 %), 4.20 ms
-    (75.1 %) with the skinny maps' swapped tiles and longer one-row K steps, against 4.86 for "mixed"
-    with cuBLAS; 8B verifies 1.01–1.10×, 70B verifies of 6–8 tokens at batch 8 1.12–1.20×.
+    (75.1 %) with the skinny maps' block shapes added after it, against 4.86 for "mixed" with
+    cuBLAS; 8B verifies 1.01–1.10×, 70B verifies of 6–8 tokens at batch 8 1.14–1.20× (run 6).
 
     Whole steps on the H200 at the Llama-3.1-8B shape, compiled layers, 1k-token cache, graphed
     (`bench_verify_cost`, 2026-12-04; docs/benchmarks.md): flex verifies 2–8 tokens faster than

@@ -136,10 +136,8 @@ if triton is not None:
             else:
                 acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         if SWAP:
-            out = tl.trans(acc)
-        else:
-            out = acc
-        return out
+            acc = tl.trans(acc)
+        return acc
 
     @triton.jit
     def _skinny_gemm(
@@ -385,9 +383,14 @@ def _(x, weight, norm_weight, eps, cos, sin, k_cache, v_cache, slots):
 
 
 def _rope_candidates(tile: int, dim: int) -> list[dict]:
-    """`_candidates` whose blocks hold whole rotary pairs of one head: BLOCK_N / 2 dividing d / 2,
-    i.e. BLOCK_N from 2 to d dividing d (every tile has some: d ≥ 16, `fits_qkv_rope_cache`)."""
-    return [c for c in _candidates(tile) if 2 <= c["BLOCK_N"] <= dim and dim % c["BLOCK_N"] == 0]
+    """`_candidates` that `qkv_rope_cache` takes (every tile has some: d ≥ 16, `fits_qkv_rope_cache`)."""
+    return [c for c in _candidates(tile) if holds_rotary_pairs(c, dim)]
+
+
+def holds_rotary_pairs(shape: dict, dim: int) -> bool:
+    """Whether a block shape's blocks hold whole rotary pairs of one head of size `dim`: BLOCK_N / 2
+    dividing d / 2, i.e. BLOCK_N from 2 to d dividing d."""
+    return 2 <= shape["BLOCK_N"] <= dim and dim % shape["BLOCK_N"] == 0
 
 
 def fits_qkv_rope_cache(out_features: int, dim: int, kv_heads: int) -> bool:

@@ -199,51 +199,65 @@ def check_block_shapes(device: str, dtype: torch.dtype) -> None:
     """Every block shape the GPU's tuning may choose, forced one at a time (the tuning keeps only the
     fastest, and the interpreter runs one): `skinny_linear` plain, normed with a residual and gated
     at one row, and plain with a tile of rows; `qkv_rope_cache` at one normed row and with a tile of
-    rows. The row tiles take the same shapes: each is forced once, at a 16- or a 64-row tile in turn
-    (the rows change the masks of x, not the shape's own blocks)."""
+    rows. Each tile takes the same candidates, forced at 16, 32 or 64 rows in turn; on a GPU, where
+    a row tile compiles a dot of its own (ROWS is a constant), the swapped ones at all three (the
+    interpreter compiles nothing: the rows change only the masks there). On a GPU a shape past its
+    shared memory or registers is left out, as the tuning leaves it out (`skinny_linear._timed`);
+    every other one must run."""
     import inference_ref.skinny_linear as skinny
 
+    forced = [(1, shape) for shape in skinny._candidates(1, gpu=True)]
+    for i, shape in enumerate(skinny._candidates(16, gpu=True)):
+        every_tile = shape["SWAP"] and device == "cuda"
+        forced += [(tile, shape) for tile in ((16, 32, 64) if every_tile else [(16, 32, 64)[i % 3]])]
+    timed, too_large = skinny._block_shape, []
+    try:
+        for tile, shape in forced:
+            try:
+                check_block_shape(skinny, tile, shape, device, dtype)
+            except resource_errors(device):
+                too_large.append((tile, shape))
+    finally:
+        skinny._block_shape = timed
+    assert len(too_large) < len(forced) / 4, ("most block shapes do not fit this GPU", too_large)
+
+
+def resource_errors(device: str) -> tuple[type[Exception], ...]:
+    """What a block shape too large for the GPU raises (none under the interpreter)."""
+    if device != "cuda":
+        return ()
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    return OutOfResources, PTXASError
+
+
+def check_block_shape(skinny, tile: int, shape: dict, device: str, dtype: torch.dtype) -> None:
+    """One forced block shape at one row tile (`check_block_shapes`)."""
     torch.manual_seed(0)
     features, dim = 72, 128
     w = torch.randn(200, features, device=device, dtype=dtype) / features**0.5
     g = 1 + 0.5 * torch.randn(features, device=device, dtype=dtype)
     w_qkv = torch.randn(4 * dim, features, device=device, dtype=dtype) / features**0.5  # 2 + 2 · 1 heads
-    timed = skinny._block_shape
-    try:
-        forced = [(1, shape) for shape in skinny._candidates(1, gpu=True)]
-        forced += [((16, 64)[i % 2], shape) for i, shape in enumerate(skinny._candidates(16, gpu=True))]
-        for tile, shape in forced:
-            launched = []  # the kernels asked for a block shape: none fell back to PyTorch
-            skinny._block_shape = lambda key, launch, candidates, shape=shape, launched=launched: (
-                launched.append(key) or shape
-            )
-            rows = 1 if tile == 1 else tile // 2 + 1  # a tile of its own size
-            x = torch.randn(rows, features, device=device, dtype=dtype)
-            r = torch.randn(rows, 200, device=device, dtype=dtype)
-            cases = [((x, w), F.linear(x.double(), w.double()))]
-            if tile == 1:
-                normed = F.linear(rms_norm(x.double(), g.double(), 1e-5), w.double())
-                cases.append(((x, w, False, r, g, 1e-5), normed + r))
-                gate_up = torch.randn(1, 2 * features, device=device, dtype=dtype)
-                gate, up = gate_up.double().chunk(2, -1)
-                cases.append(
-                    ((gate_up, w, True), F.linear((F.silu(gate) * up).to(dtype).double(), w.double()))
-                )
-            for args, want in cases:
-                err = relative_error(skinny_linear(*args), want)
-                assert err < tolerance(dtype), ("skinny", tile, shape, len(args), err)
-            rope = 2 <= shape["BLOCK_N"] <= dim and dim % shape["BLOCK_N"] == 0  # `_rope_candidates`
-            if rope:
-                batch, new = (1, 1) if tile == 1 else (rows // 4 + 1, 4)
-                check_qkv_shape(w_qkv, g if tile == 1 else None, batch, new, dim, device, dtype, shape)
-            assert len(launched) == len(cases) + rope, (
-                "launches",
-                tile,
-                shape,
-                launched,
-            )
-    finally:
-        skinny._block_shape = timed
+    launched = []  # the kernels asked for a block shape: none fell back to PyTorch
+    skinny._block_shape = lambda key, launch, candidates: launched.append(key) or shape
+    rows = 1 if tile == 1 else tile // 2 + 1  # a tile of its own size
+    x = torch.randn(rows, features, device=device, dtype=dtype)
+    r = torch.randn(rows, 200, device=device, dtype=dtype)
+    cases = [((x, w), F.linear(x.double(), w.double()))]
+    if tile == 1:
+        normed = F.linear(rms_norm(x.double(), g.double(), 1e-5), w.double())
+        cases.append(((x, w, False, r, g, 1e-5), normed + r))
+        gate_up = torch.randn(1, 2 * features, device=device, dtype=dtype)
+        gate, up = gate_up.double().chunk(2, -1)
+        cases.append(((gate_up, w, True), F.linear((F.silu(gate) * up).to(dtype).double(), w.double())))
+    for args, want in cases:
+        err = relative_error(skinny_linear(*args), want)
+        assert err < tolerance(dtype), ("skinny", tile, shape, len(args), err)
+    rope = skinny.holds_rotary_pairs(shape, dim)
+    if rope:
+        batch, new = (1, 1) if tile == 1 else (rows // 4 + 1, 4)
+        check_qkv_shape(w_qkv, g if tile == 1 else None, batch, new, dim, device, dtype, shape)
+    assert len(launched) == len(cases) + rope, ("launches", tile, shape, launched)
 
 
 def check_qkv_shape(w, norm, batch: int, new: int, dim: int, device, dtype, shape: dict) -> None:
@@ -315,8 +329,9 @@ def compile_for_hopper(kernel: str) -> list[str]:
     """Compile a Triton kernel's variants for sm90 (an H100 or H200) on this machine, with the
     ptxas Triton ships: what only a GPU's compiler rejects (layouts, `qkv_rope_cache`'s reshapes
     and joins of rotary pairs) shows without one. Representative block shapes (the narrowest and a
-    wide one-row one, 16- and 64-row tiles, plain and swapped); the other candidates differ in numbers only, and one
-    past a GPU's shared memory is dropped when the shapes are timed. A line per variant."""
+    wide one-row one, 16- and 64-row tiles, plain and swapped); the other candidates differ in
+    numbers only, and one past a GPU's shared memory is dropped when the shapes are timed. A line
+    per variant."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -351,19 +366,10 @@ def compile_for_hopper(kernel: str) -> list[str]:
             "M K new eps stride_xm stride_wn stride_qm stride_qh stride_cm stride_sb stride_ss "
             "stride_kb stride_kl stride_kh stride_vb stride_vl stride_vh"
         )
+        heads = dict(HEADS=32, KV_HEADS=8, DIM=128)
         for rows, n, k, warps, stages, swap in shapes:
             for norm in {rows == 1, False}:
-                constants = dict(
-                    HEADS=32,
-                    KV_HEADS=8,
-                    DIM=128,
-                    ROWS=rows,
-                    BLOCK_N=n,
-                    BLOCK_K=k,
-                    **tile,
-                    NORM=norm,
-                    SWAP=swap,
-                )
+                constants = dict(**heads, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, NORM=norm, SWAP=swap)
                 done.append(compiled(skinny._qkv_rope_cache, pointers, scalars, constants, warps, stages))
     else:
         heads = dict(KV_HEADS=8, GROUP=4, SPLITS=16, DIM=128)
