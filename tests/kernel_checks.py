@@ -398,7 +398,31 @@ CHECKS = {
     "model_steps": check_model_steps,
 }
 
+
+def run_check(spec: str) -> None:
+    """One check by its spec, "name device dtype [compiled]" (`CHECKS`)."""
+    name, device, dtype, *flags = spec.split()
+    CHECKS[name](device, getattr(torch, dtype), *(a == "compiled" for a in flags))
+
+
+def run_each(specs: list[str]) -> bool:
+    """Each check in turn, in this process (what the checks import is paid once): a line per spec,
+    "OK spec", or "FAILED spec" and its traceback up to a line "END spec". Whether all passed."""
+    import traceback
+
+    passed = True
+    for spec in specs:
+        try:
+            run_check(spec)
+            print("OK", spec, flush=True)
+        except Exception:
+            passed = False
+            print(f"FAILED {spec}\n{traceback.format_exc()}END {spec}", flush=True)
+    return passed
+
+
 if __name__ == "__main__":
-    name, device, dtype = sys.argv[1:4]
-    CHECKS[name](device, getattr(torch, dtype), *(a == "compiled" for a in sys.argv[4:]))
+    if sys.argv[1] == "--each":  # python tests/kernel_checks.py --each "skinny cpu float32" ...
+        sys.exit(0 if run_each(sys.argv[2:]) else 1)
+    run_check(" ".join(sys.argv[1:]))
     print("OK", " ".join(sys.argv[1:]))

@@ -1,10 +1,13 @@
 """The Triton kernels (split-key attention, the skinny linear map) on a CPU under Triton's
-interpreter, against PyTorch's kernels: each check in a child process, since Triton reads
-TRITON_INTERPRET when the kernels are defined (`tests/kernel_checks.py`; bf16 on CUDA: test_gpu.py)."""
+interpreter, against PyTorch's kernels: in a child process, since Triton reads TRITON_INTERPRET
+when the kernels are defined (`tests/kernel_checks.py`; bf16 on CUDA: test_gpu.py). One child runs
+every selected check in turn, so that its imports (about 5 s on 2 cores) are paid once; each test
+reports its own check's result."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,40 +18,65 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def interpreted(*args: str) -> None:
+@pytest.fixture(scope="module")
+def interpreted(request) -> dict[str, str]:
+    """spec → "" where the check passed, else its output (`kernel_checks.run_each`), for the checks
+    of the tests selected in this module (their `spec` parameter)."""
+    specs = [
+        spec for item in request.session.items if item.module is request.module and (spec := _spec(item))
+    ]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     run = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "kernel_checks.py"), *args],
+        [sys.executable, str(ROOT / "tests" / "kernel_checks.py"), "--each", *specs],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
     )
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    results = {spec: run.stdout + run.stderr[-3000:] for spec in specs}  # no line: the child died first
+    results |= dict.fromkeys(re.findall(r"^OK (.+)$", run.stdout, re.M), "")
+    for spec, trace in re.findall(r"^FAILED ([^\n]+)\n(.*?)^END \1$", run.stdout, re.M | re.S):
+        results[spec] = trace
+    return results
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])  # the interpreter's dot gets bf16 wrong
-def test_split_kv_attention_matches_sdpa(dtype):
-    interpreted("split_kv", "cpu", dtype)
+def _spec(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("spec") if callspec else None
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_skinny_linear_matches_f_linear(dtype):
-    interpreted("skinny", "cpu", dtype)
+def checked(interpreted: dict[str, str], spec: str) -> None:
+    assert interpreted[spec] == "", interpreted[spec]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_qkv_rope_cache_matches_the_map_rotary_and_cache_writes(dtype):
-    interpreted("qkv_rope_cache", "cpu", dtype)
+# float16, not bf16: the interpreter's dot gets bf16 wrong
+@pytest.mark.parametrize("spec", ["split_kv cpu float32", "split_kv cpu float16"], ids=["float32", "float16"])
+def test_split_kv_attention_matches_sdpa(interpreted, spec):
+    checked(interpreted, spec)
 
 
-def test_every_block_shape_the_tuning_may_choose():
-    interpreted("block_shapes", "cpu", "float32")
+@pytest.mark.parametrize("spec", ["skinny cpu float32", "skinny cpu float16"], ids=["float32", "float16"])
+def test_skinny_linear_matches_f_linear(interpreted, spec):
+    checked(interpreted, spec)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_target_steps_through_both_kernels_equal_sdpa_and_cublas(compiled):
-    interpreted("model_steps", "cpu", "float32", *(["compiled"] if compiled else []))
+@pytest.mark.parametrize(
+    "spec", ["qkv_rope_cache cpu float32", "qkv_rope_cache cpu float16"], ids=["float32", "float16"]
+)
+def test_qkv_rope_cache_matches_the_map_rotary_and_cache_writes(interpreted, spec):
+    checked(interpreted, spec)
+
+
+@pytest.mark.parametrize("spec", ["block_shapes cpu float32"], ids=["float32"])
+def test_every_block_shape_the_tuning_may_choose(interpreted, spec):
+    checked(interpreted, spec)
+
+
+@pytest.mark.parametrize(
+    "spec", ["model_steps cpu float32", "model_steps cpu float32 compiled"], ids=["eager", "compiled"]
+)
+def test_target_steps_through_both_kernels_equal_sdpa_and_cublas(interpreted, spec):
+    checked(interpreted, spec)
 
 
 @pytest.mark.parametrize("kernel", ["skinny", "qkv_rope_cache", "split_kv"])
