@@ -1,12 +1,17 @@
-"""`bench_verify_cost` with the skinny maps' block-shape candidates as they were before 2026-12-06
-("before": no swapped tiles, none of the four one-row shapes added then) or as they are ("after"),
-to measure what the added candidates buy in the same run (the tuning keeps the fastest per map
-shape, so more candidates win where they time faster, within the timing's noise). The arguments
-after the first are `bench_verify_cost`'s; without a --tag each half gets shapes_before or shapes_after.
+"""`bench_verify_cost` with some of the skinny maps' block-shape candidates left out, to measure what
+they buy in the same run (the tuning keeps the fastest per map shape, so more candidates win where
+they time faster, within the timing's noise). The first argument says which:
 
-    python -m benchmarks.bench_block_shapes before --shape llama3_8b --compiled-layers \
-        --batches 1 8 16 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny
-    python -m benchmarks.bench_block_shapes after  ...
+- `no_swap`: the candidates before 2026-12-06 (no swapped tiles, none of the four one-row shapes
+  added then, no split K; this A/B's "before" in docs/benchmarks.md, run 6);
+- `no_split`: all but the split-K shapes (added 2026-12-06, later; the swap A/B's "after");
+- `all`: every candidate.
+
+The arguments after the first are `bench_verify_cost`'s; without a --tag each run gets shapes_<which>.
+
+    python -m benchmarks.bench_block_shapes no_split --shape llama3_70b --compiled-layers \
+        --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny
+    python -m benchmarks.bench_block_shapes all ...
 """
 
 from __future__ import annotations
@@ -21,22 +26,24 @@ ADDED_ONE_ROW = {(8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 8, 1), (16, 2048, 
 _all = skinny._candidates
 
 
-def candidates_before(tile: int, gpu: bool = not skinny.INTERPRETED) -> list[dict]:
-    def added(c: dict) -> bool:
-        shape = (c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"])
-        return c["SWAP"] or (tile == 1 and shape in ADDED_ONE_ROW)
-
-    return [c for c in _all(tile, gpu) if not added(c)]
+def left_out(which: str, tile: int, c: dict) -> bool:
+    if c["SPLIT"] > 1:
+        return which != "all"
+    shape = (c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"])
+    return which == "no_swap" and (c["SWAP"] or (tile == 1 and shape in ADDED_ONE_ROW))
 
 
 def main() -> None:
     which, rest = (sys.argv[1:2] or [""])[0], sys.argv[2:]
-    if which not in ("before", "after"):
-        sys.exit(f"bench_block_shapes: first argument {which!r}: before or after")
-    if "--tag" not in rest:  # each half its own file, neither the untagged one of bench_verify_cost
+    if which not in ("no_swap", "no_split", "all"):
+        sys.exit(f"bench_block_shapes: first argument {which!r}: no_swap, no_split or all")
+    if "--tag" not in rest:  # each run its own file, neither the untagged one of bench_verify_cost
         rest += ["--tag", f"shapes_{which}"]
-    if which == "before":
-        skinny._candidates = candidates_before  # `_rope_candidates` filters these too
+
+    def candidates(tile: int, gpu: bool = not skinny.INTERPRETED) -> list[dict]:
+        return [c for c in _all(tile, gpu) if not left_out(which, tile, c)]
+
+    skinny._candidates = candidates  # `_rope_candidates` filters these too
     bench_verify_cost.main(rest, "python -m benchmarks.bench_block_shapes " + " ".join(sys.argv[1:]))
 
 

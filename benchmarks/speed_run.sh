@@ -12,7 +12,8 @@
 # set WHEELS=/root/whl (the copy above leaves .devcache out),
 # then poll from back-to-back calls (the machine goes back 30 s after a call ends, with the run):
 #   bash /root/repo/benchmarks/speed_poll.sh 540
-# SKIP="t k_split_skinny ..." leaves those items out (what an earlier run on the same kind of GPU measured).
+# SKIP="t k_split_skinny ..." leaves those items out (what an earlier run on the same kind of GPU measured);
+# ONLY="..." runs those items alone.
 # Each finished benchmark's JSON is copied into $log/results/ at once, so that whatever finished
 # comes back in the next poll.
 # First what #36 still needs, so that a short device budget gets it. After the 2026-12-05 runs the
@@ -66,6 +67,7 @@ touch "$log/started"
 run() {
     local name=$1; shift
     case " ${SKIP:-} " in *" $name "*) echo "== skip $name"; return;; esac
+    if [ -n "${ONLY:-}" ]; then case " $ONLY " in *" $name "*) ;; *) return;; esac; fi
     echo "== $(date +%T) $name: $*"
     if "$@" > "$log/$name.log" 2>&1; then echo "   $(date +%T) done"; else echo "   $(date +%T) FAILED (see $log/$name.log)"; fi
     find benchmarks/results -name '*.json' -newer "$log/started" -exec cp {} "$log/results/" \;
@@ -73,6 +75,18 @@ run() {
 v="python -m benchmarks.bench_verify_cost"
 # what #36 still needs first (see above), then the full rerun
 k="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 3 4 6 8 --tag kernels"
+# split K for the maps' row tiles (2026-12-06): the candidates without and with it, in turn, twice
+# at 70B (70B verifies at batch 8 of 6-8 tokens, 64 rows, were over 1.1x on an H200), once at 8B
+s="python -m benchmarks.bench_block_shapes"
+k70s="--shape llama3_70b --layers 8 16 --compiled-layers --batches 1 8 --new-tokens 1 2 4 6 8 --cached-kernel split --linear-kernel skinny"
+k8s="--shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny"
+run s70_no_split $s no_split $k70s
+run s70_all $s all $k70s
+run s8_all $s all $k8s
+run s8_no_split $s no_split $k8s
+run s70_all_again $s all $k70s --tag shapes_all_again
+run s70_no_split_again $s no_split $k70s --tag shapes_no_split_again
+run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny
 run k_split_skinny_unfolded $k --cached-kernel split --linear-kernel skinny --unfolded

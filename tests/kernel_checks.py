@@ -198,7 +198,8 @@ def qkv_reference(x, w, norm, cos, sin, heads: int, kv_heads: int, dim: int) -> 
 def check_block_shapes(device: str, dtype: torch.dtype) -> None:
     """Every block shape the GPU's tuning may choose, forced one at a time (the tuning keeps only the
     fastest, and the interpreter runs one): `skinny_linear` plain, normed with a residual and gated
-    at one row, and plain with a tile of rows; `qkv_rope_cache` at one normed row and with a tile of
+    at one row, and plain with a tile of rows (split K: over a K of several shares, and with a
+    residual); `qkv_rope_cache` at one normed row and with a tile of
     rows. Each tile takes the same candidates, forced at 16, 32 or 64 rows in turn; on a GPU, where
     a row tile compiles a dot of its own (ROWS is a constant), the swapped ones at all three (the
     interpreter compiles nothing: the rows change only the masks there). On a GPU a shape past its
@@ -234,7 +235,10 @@ def resource_errors(device: str) -> tuple[type[Exception], ...]:
 def check_block_shape(skinny, tile: int, shape: dict, device: str, dtype: torch.dtype) -> None:
     """One forced block shape at one row tile (`check_block_shapes`)."""
     torch.manual_seed(0)
-    features, dim = 72, 128
+    # split K: at 32 and 64 rows every share but the last whole, the last a few features; at 16
+    # K = 72, where one K step of 128 leaves the second share empty
+    features = 72 if shape["SPLIT"] == 1 or tile == 16 else shape["SPLIT"] * shape["BLOCK_K"] - 40
+    dim = 128
     w = torch.randn(200, features, device=device, dtype=dtype) / features**0.5
     g = 1 + 0.5 * torch.randn(features, device=device, dtype=dtype)
     w_qkv = torch.randn(4 * dim, features, device=device, dtype=dtype) / features**0.5  # 2 + 2 · 1 heads
@@ -244,7 +248,9 @@ def check_block_shape(skinny, tile: int, shape: dict, device: str, dtype: torch.
     x = torch.randn(rows, features, device=device, dtype=dtype)
     r = torch.randn(rows, 200, device=device, dtype=dtype)
     cases = [((x, w), F.linear(x.double(), w.double()))]
-    if tile == 1:
+    if tile > 1 and shape["SPLIT"] > 1:  # the residual added by `_sum_splits` (`check_skinny`: unsplit)
+        cases.append(((x, w, False, r), F.linear(x.double(), w.double()) + r))
+    elif tile == 1:
         normed = F.linear(rms_norm(x.double(), g.double(), 1e-5), w.double())
         cases.append(((x, w, False, r, g, 1e-5), normed + r))
         gate_up = torch.randn(1, 2 * features, device=device, dtype=dtype)
@@ -321,7 +327,13 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
         assert relative_error(got_cache.v, want_cache.v) < 10 * tolerance(dtype), kernels
 
 
-POINTER_TYPES = {"Slots": "*i64", "Lengths": "*i64", "Part": "*fp32", "Lse": "*fp32"}  # others: bf16
+POINTER_TYPES = {
+    "Slots": "*i64",
+    "Lengths": "*i64",
+    "Part": "*fp32",
+    "Lse": "*fp32",
+    "P": "*fp32",
+}  # others: bf16
 FLOAT_SCALARS = ("eps", "scale_log2")  # others: int32
 
 
@@ -348,18 +360,22 @@ def compile_for_hopper(kernel: str) -> list[str]:
         return f"{fn.__name__} {constants} {options}: {binary.metadata.shared} B shared"
 
     shapes = [
-        (1, 2, 2048, 4, 1, False), (1, 16, 512, 8, 4, False), (16, 16, 256, 4, 4, False),
-        (64, 128, 64, 4, 4, False), (16, 64, 128, 4, 4, True), (64, 128, 128, 8, 3, True),
+        (1, 2, 2048, 4, 1, False, 1), (1, 16, 512, 8, 4, False, 1), (16, 16, 256, 4, 4, False, 1),
+        (64, 128, 64, 4, 4, False, 1), (16, 64, 128, 4, 4, True, 1), (64, 128, 128, 8, 3, True, 1),
+        (64, 64, 128, 4, 5, False, 2), (64, 256, 64, 8, 3, True, 4),
     ]  # fmt: skip
     tile = {"PRECISION": "tf32"}
     done = []
     if kernel == "skinny":
-        pointers, scalars = "X W Y R G", "M N K stride_xm stride_wn stride_ym stride_rm eps"
-        for rows, n, k, warps, stages, swap in shapes:
+        pointers, scalars = "X W Y R G P", "M N K stride_xm stride_wn stride_ym stride_rm eps"
+        for rows, n, k, warps, stages, swap, split in shapes:
             for gated, residual, norm in ((False, False, rows == 1), (rows == 1, True, False)):
-                flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap)
+                flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap, SPLIT=split)
                 constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags)
                 done.append(compiled(skinny._skinny_gemm, pointers, scalars, constants, warps, stages))
+        for split, residual in ((2, False), (4, True)):
+            constants = dict(SPLIT=split, RESIDUAL=residual, BLOCK=skinny.SUM_BLOCK)
+            done.append(compiled(skinny._sum_splits, "P Y R", "M N stride_ym stride_rm", constants))
     elif kernel == "qkv_rope_cache":
         pointers = "X W G Q KC VC Cos Sin Slots"
         scalars = (
@@ -367,7 +383,9 @@ def compile_for_hopper(kernel: str) -> list[str]:
             "stride_kb stride_kl stride_kh stride_vb stride_vl stride_vh"
         )
         heads = dict(HEADS=32, KV_HEADS=8, DIM=128)
-        for rows, n, k, warps, stages, swap in shapes:
+        for rows, n, k, warps, stages, swap, split in shapes:
+            if split > 1:  # not a shape it takes (`skinny_linear._rope_candidates`)
+                continue
             for norm in {rows == 1, False}:
                 constants = dict(**heads, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, NORM=norm, SWAP=swap)
                 done.append(compiled(skinny._qkv_rope_cache, pointers, scalars, constants, warps, stages))
