@@ -527,6 +527,19 @@ def sampling(run: Run, prompt: int, max_new_tokens: int, eos: list[int]):
     )
 
 
+def _inspect_architectures_in_process() -> None:
+    """vLLM inspects a built-in architecture it resolves (the target's, EAGLE-3's, DFlash's) in a
+    fresh Python process, so that importing the model's module cannot initialize CUDA in the
+    engine's parent: about 8 s on 2 cores for each the first time a machine sees it (later ones
+    read vLLM's cache). An in-process engine imports those modules itself moments later, so this
+    child inspects them in its own process (vLLM 0.32's `registry._run_in_subprocess`; left as it
+    is where a version has none)."""
+    from vllm.model_executor.models import registry
+
+    if hasattr(registry, "_run_in_subprocess"):
+        registry._run_in_subprocess = lambda inspect: inspect()
+
+
 def child(request_file: str, result_file: str) -> None:
     """The child process: each run in turn, consecutive runs of one (head, k) on one engine."""
     import vllm
@@ -534,6 +547,8 @@ def child(request_file: str, result_file: str) -> None:
 
     request = json.loads(Path(request_file).read_text())
     engine = Engine(**request["engine"])
+    if engine.in_process:
+        _inspect_architectures_in_process()
     prompts = [{"prompt_token_ids": p} for p in request["prompts"]]
     result: dict = {"vllm_version": vllm.__version__}
     llm, serving = None, None
