@@ -39,9 +39,11 @@ def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
     without pipelining stages as well as with them (a plain streaming read may do best with many
     programs resident per SM and nothing staged through shared memory: Inductor's reductions).
     A tile of rows also tries its dot swapped (SWAP: the weight rows as the dot's M side, as
-    serving engines' skinny GEMMs do, so that Hopper's wgmma, 64 rows a warp group, holds them),
-    and wide blocks with K split in 2 or 4 (SPLIT; module docstring). Under Triton's interpreter one small shape, untimed (`gpu`: the GPU's, which the checks force
-    one by one)."""
+    serving engines' skinny GEMMs do, so that Hopper's wgmma, 64 rows a warp group, holds them).
+    A tile of `MAX_ROWS` also tries wide blocks with K split in 2 or 4 (SPLIT; module docstring:
+    where x's re-reads weigh as much as the weights; each candidate is one more compile on the first
+    call, and on an H100 the tuning chose none at any tile, docs/benchmarks.md). Under Triton's
+    interpreter one small shape, untimed (`gpu`: the GPU's, which the checks force one by one)."""
     if not gpu:
         shapes = [(16, 64, 4, 1, False, 1)]
     elif tile == 1:
@@ -67,7 +69,8 @@ def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
             (128, 64, 4, 4, True, 2), (128, 128, 8, 3, True, 2), (256, 64, 8, 3, True, 2),
             (256, 64, 8, 3, True, 4),
         ]  # fmt: skip
-        shapes = [(*shape, False, 1) for shape in shapes] + [(*shape, True, 1) for shape in swapped] + split
+        shapes = [(*shape, False, 1) for shape in shapes] + [(*shape, True, 1) for shape in swapped]
+        shapes += split if tile == MAX_ROWS else []
     return [
         {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st, "SWAP": swap, "SPLIT": split}
         for n, k, w, st, swap, split in shapes

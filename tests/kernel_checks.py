@@ -199,18 +199,19 @@ def check_block_shapes(device: str, dtype: torch.dtype) -> None:
     """Every block shape the GPU's tuning may choose, forced one at a time (the tuning keeps only the
     fastest, and the interpreter runs one): `skinny_linear` plain, normed with a residual and gated
     at one row, and plain with a tile of rows (split K: over a K of several shares, and with a
-    residual); `qkv_rope_cache` at one normed row and with a tile of
-    rows. Each tile takes the same candidates, forced at 16, 32 or 64 rows in turn; on a GPU, where
-    a row tile compiles a dot of its own (ROWS is a constant), the swapped ones at all three (the
-    interpreter compiles nothing: the rows change only the masks there). On a GPU a shape past its
-    shared memory or registers is left out, as the tuning leaves it out (`skinny_linear._timed`);
-    every other one must run."""
+    residual); `qkv_rope_cache` at one normed row and with a tile of rows. Each row-tile shape is
+    forced at one of the tiles that offer it (16, 32 or 64 rows in turn; split K at 64 only); on a
+    GPU, where a row tile compiles a dot of its own (ROWS is a constant), the swapped ones at all
+    three (the interpreter compiles nothing: the rows change only the masks there). On a GPU a
+    shape past its shared memory or registers is left out, as the tuning leaves it out
+    (`skinny_linear._timed`); every other one must run."""
     import inference_ref.skinny_linear as skinny
 
     forced = [(1, shape) for shape in skinny._candidates(1, gpu=True)]
-    for i, shape in enumerate(skinny._candidates(16, gpu=True)):
+    for i, shape in enumerate(skinny._candidates(skinny.MAX_ROWS, gpu=True)):
+        tiles = [tile for tile in (16, 32, 64) if shape in skinny._candidates(tile, gpu=True)]
         every_tile = shape["SWAP"] and device == "cuda"
-        forced += [(tile, shape) for tile in ((16, 32, 64) if every_tile else [(16, 32, 64)[i % 3]])]
+        forced += [(tile, shape) for tile in (tiles if every_tile else [tiles[i % len(tiles)]])]
     timed, too_large = skinny._block_shape, []
     try:
         for tile, shape in forced:
@@ -235,18 +236,20 @@ def resource_errors(device: str) -> tuple[type[Exception], ...]:
 def check_block_shape(skinny, tile: int, shape: dict, device: str, dtype: torch.dtype) -> None:
     """One forced block shape at one row tile (`check_block_shapes`)."""
     torch.manual_seed(0)
-    # split K: at 32 and 64 rows every share but the last whole, the last a few features; at 16
-    # K = 72, where one K step of 128 leaves the second share empty
-    features = 72 if shape["SPLIT"] == 1 or tile == 16 else shape["SPLIT"] * shape["BLOCK_K"] - 40
-    dim = 128
-    w = torch.randn(200, features, device=device, dtype=dtype) / features**0.5
+    # split K in 2: the first share whole, the second a few features; in 4 shares of one K step of
+    # 64, K = 72 leaves the last two empty
+    features = 72 if shape["SPLIT"] in (1, 4) else shape["SPLIT"] * shape["BLOCK_K"] - 40
+    # one row: a program per 1–16 outputs, each a Python loop under the interpreter, so fewer outputs
+    # (41: a last block short of full at every BLOCK_N) and heads of 16; row tiles: blocks up to 256
+    outputs, dim = (41, 16) if tile == 1 else (200, 128)
+    w = torch.randn(outputs, features, device=device, dtype=dtype) / features**0.5
     g = 1 + 0.5 * torch.randn(features, device=device, dtype=dtype)
     w_qkv = torch.randn(4 * dim, features, device=device, dtype=dtype) / features**0.5  # 2 + 2 · 1 heads
     launched = []  # the kernels asked for a block shape: none fell back to PyTorch
     skinny._block_shape = lambda key, launch, candidates: launched.append(key) or shape
     rows = 1 if tile == 1 else tile // 2 + 1  # a tile of its own size
     x = torch.randn(rows, features, device=device, dtype=dtype)
-    r = torch.randn(rows, 200, device=device, dtype=dtype)
+    r = torch.randn(rows, outputs, device=device, dtype=dtype)
     cases = [((x, w), F.linear(x.double(), w.double()))]
     if tile > 1 and shape["SPLIT"] > 1:  # the residual added by `_sum_splits` (`check_skinny`: unsplit)
         cases.append(((x, w, False, r), F.linear(x.double(), w.double()) + r))
