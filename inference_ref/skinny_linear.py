@@ -6,10 +6,11 @@ o_proj and down_proj over thread blocks and summing the parts in a second kernel
 "#36 on an H100"). Here each thread block owns `BLOCK_N` output features and reads their whole
 weight rows once, for every row of x at once (`tl.dot` on a tile of 16 to `MAX_ROWS` rows; one row
 is multiplied and summed along K): one kernel per map, the weights read once whatever the rows.
-A tile of rows may also split K into 2–4 shares (`SPLIT`), each program summing its share of wide
-blocks into fp32 and `_sum_splits` adding the shares in order: at 64 rows every program reads its
-x tile from L2 for each block of weights it reads, as many bytes as the weights with blocks of
-64, and splitting K keeps every SM busy with blocks two to four times wider.
+A tile of `MAX_ROWS` may also split K into 2–4 shares (`SPLIT`), each program summing its share of
+wide blocks into fp32 and `_sum_splits` adding the shares in order: at 64 rows every program reads
+its x tile from L2 for each block of weights it reads, as many bytes as the weights with blocks of
+64, and splitting K keeps every SM busy with blocks two to four times wider (on an H100 the tuning
+chose none: docs/benchmarks.md, "Split K for the row tiles").
 The block shape is timed once per (map shape, row tile), on the first call outside a CUDA graph's
 capture (a few seconds per map shape, mostly Triton compiling each candidate; `_block_shape`).
 A gated MLP's down_proj adds the layer's residual in its epilogue, and for one row takes
