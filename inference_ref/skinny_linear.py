@@ -10,7 +10,7 @@ A tile of `MAX_ROWS` may also split K into 2–4 shares (`SPLIT`), each program 
 wide blocks into fp32 and `_sum_splits` adding the shares in order: at 64 rows every program reads
 its x tile from L2 for each block of weights it reads, as many bytes as the weights with blocks of
 64, and splitting K keeps every SM busy with blocks two to four times wider (on an H100 the tuning
-chose none: docs/benchmarks.md, "Split K for the row tiles").
+chose none at 64 rows: docs/benchmarks.md, "Split K for the row tiles").
 The block shape is timed once per (map shape, row tile), on the first call outside a CUDA graph's
 capture (a few seconds per map shape, mostly Triton compiling each candidate; `_block_shape`).
 A gated MLP's down_proj adds the layer's residual in its epilogue, and for one row takes
@@ -35,16 +35,17 @@ SUM_BLOCK = 1024
 
 
 def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
-    """Block shapes to try for a row tile: (BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP, SPLIT). One row
-    multiplies and sums along K (no tile of 16 rows to fill): narrow blocks, long K steps, and
-    without pipelining stages as well as with them (a plain streaming read may do best with many
+    """Block shapes to try for a row tile: (BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP, SPLIT).
+    One row multiplies and sums along K (no tile of 16 rows to fill): narrow blocks, long K steps,
+    and without pipelining stages as well as with them (a plain streaming read may do best with many
     programs resident per SM and nothing staged through shared memory: Inductor's reductions).
     A tile of rows also tries its dot swapped (SWAP: the weight rows as the dot's M side, as
     serving engines' skinny GEMMs do, so that Hopper's wgmma, 64 rows a warp group, holds them).
     A tile of `MAX_ROWS` also tries wide blocks with K split in 2 or 4 (SPLIT; module docstring:
-    where x's re-reads weigh as much as the weights; each candidate is one more compile on the first
-    call, and on an H100 the tuning chose none at any tile, docs/benchmarks.md). Under Triton's
-    interpreter one small shape, untimed (`gpu`: the GPU's, which the checks force one by one)."""
+    where x's re-reads weigh as much as the weights). Each candidate is one more compile on the first
+    call: offered at every tile, they were chosen once in 24 picks on an H100, never at 64 rows
+    (docs/benchmarks.md). Under Triton's interpreter one small shape, untimed (`gpu`: the GPU's,
+    which the checks force one by one)."""
     if not gpu:
         shapes = [(16, 64, 4, 1, False, 1)]
     elif tile == 1:
