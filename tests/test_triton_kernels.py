@@ -49,20 +49,24 @@ def checked(interpreted: dict[str, str], spec: str) -> None:
     assert interpreted[spec] == "", interpreted[spec]
 
 
-# float16, not bf16: the interpreter's dot gets bf16 wrong
-@pytest.mark.parametrize("spec", ["split_kv cpu float32", "split_kv cpu float16"], ids=["float32", "float16"])
+def in_fp32_and_fp16(check: str):
+    """The test's `spec`: the check in float32 and in float16 (not bf16: the interpreter's dot gets
+    bf16 wrong)."""
+    dtypes = ["float32", "float16"]
+    return pytest.mark.parametrize("spec", [f"{check} cpu {dtype}" for dtype in dtypes], ids=dtypes)
+
+
+@in_fp32_and_fp16("split_kv")
 def test_split_kv_attention_matches_sdpa(interpreted, spec):
     checked(interpreted, spec)
 
 
-@pytest.mark.parametrize("spec", ["skinny cpu float32", "skinny cpu float16"], ids=["float32", "float16"])
+@in_fp32_and_fp16("skinny")
 def test_skinny_linear_matches_f_linear(interpreted, spec):
     checked(interpreted, spec)
 
 
-@pytest.mark.parametrize(
-    "spec", ["qkv_rope_cache cpu float32", "qkv_rope_cache cpu float16"], ids=["float32", "float16"]
-)
+@in_fp32_and_fp16("qkv_rope_cache")
 def test_qkv_rope_cache_matches_the_map_rotary_and_cache_writes(interpreted, spec):
     checked(interpreted, spec)
 
