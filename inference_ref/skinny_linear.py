@@ -26,7 +26,10 @@ from __future__ import annotations
 import torch
 
 from inference_ref.causal_lm import RMSNorm
-from inference_ref.triton_support import INTERPRETED, runs_on, tl, triton
+from inference_ref.triton_support import INTERPRETED, launch_options, runs_on, tl, triton
+
+if triton is not None:
+    from inference_ref.triton_support import after_previous_kernel, prefetch_rows
 
 MAX_ROWS = 64
 """The most rows of x one call takes (the tile `tl.dot` multiplies); more go to cuBLAS."""
@@ -156,16 +159,32 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _prefetch_weights(W, n0, rows, N, start, end, stride_wn, skip_from, skip, CHUNKS: tl.constexpr):
+        # this program's weights, rows n0 … (rows, less those past N) × columns start … end, into L2
+        word = W.dtype.element_ty.primitive_bitwidth // 8
+        first = (W + n0.to(tl.int64) * stride_wn + start).to(tl.int64)
+        rows = tl.minimum(rows, N - n0)
+        prefetch_rows(first, rows, (end - start) * word, stride_wn * word, skip_from, skip, CHUNKS)
+
+    @triton.jit
     def _skinny_gemm(
         X, W, Y, R, G, P, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
         GATED: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr, SWAP: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, CHUNKS: tl.constexpr,
     ):  # fmt: skip
         # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL). SPLIT > 1 (a tile
         # of rows): this program's share of K only, its fp32 sums into P [SPLIT, M, N] for
-        # `_sum_splits` to add up.
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # `_sum_splits` to add up. PREFETCH, PDL: the weights asked for before the wait for the
+        # kernel before (`triton_support`).
+        n0 = tl.program_id(0) * BLOCK_N
+        n = n0 + tl.arange(0, BLOCK_N)
+        share = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K  # whole K steps each
+        start = tl.program_id(1) * share
+        end = tl.minimum(K, start + share)
+        if PREFETCH:
+            _prefetch_weights(W, n0, BLOCK_N, N, start, end, stride_wn, BLOCK_N, 0, CHUNKS)
+        after_previous_kernel(PDL)
         if ROWS == 1:
             y = _row_product(X, W, G, n, N, K, stride_wn, eps, BLOCK_N, BLOCK_K, GATED, NORM)
             if RESIDUAL:
@@ -173,12 +192,9 @@ if triton is not None:
             tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
         else:
             m = tl.arange(0, ROWS)
-            share = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K  # whole K steps each
-            start = tl.program_id(1) * share
             acc = _tile_product(
-                X, W, n, M, N, start, tl.minimum(K, start + share), stride_xm, stride_wn,
-                ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP,
-            )  # fmt: skip
+                X, W, n, M, N, start, end, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP
+            )
             inside = (m[:, None] < M) & (n[None, :] < N)
             if SPLIT > 1:
                 tl.store(P + (tl.program_id(1) * M + m[:, None]) * N + n[None, :], acc, mask=inside)
@@ -191,9 +207,10 @@ if triton is not None:
     @triton.jit
     def _sum_splits(
         P, Y, R, M, N, stride_ym, stride_rm,
-        SPLIT: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        SPLIT: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # y = the SPLIT shares' sums in order (+ r), rounded once: what one program would have stored.
+        after_previous_kernel(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = i < M * N
         acc = tl.load(P + i, mask=inside, other=0.0)
@@ -211,7 +228,8 @@ if triton is not None:
         stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        NORM: tl.constexpr, SWAP: tl.constexpr,
+        NORM: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        CHUNKS: tl.constexpr,
     ):  # fmt: skip
         # BLOCK_N / 2 rotary pairs (j, j + DIM / 2) of one head of q, k or v: the weight rows of
         # each pair side by side, so that the epilogue rotates q and k as `apply_rotary` does (the
@@ -224,6 +242,11 @@ if triton is not None:
         lower = head * DIM + j
         n = tl.reshape(tl.join(lower, lower + HALF), [BLOCK_N])
         N = (HEADS + 2 * KV_HEADS) * DIM
+        if PREFETCH:  # the pairs' rows: PAIRS from head · DIM + j, PAIRS more HALF further
+            _prefetch_weights(
+                W, head * DIM + pair % HALF, BLOCK_N, N, 0, K, stride_wn, PAIRS, HALF - PAIRS, CHUNKS
+            )
+        after_previous_kernel(PDL)
         if ROWS == 1:
             m = tl.arange(0, 1)[:, None]
             y = _row_product(X, W, G, n, N, K, stride_wn, eps, BLOCK_N, BLOCK_K, False, NORM)
@@ -296,6 +319,11 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return flat, 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
 
 
+def _chunks(shape: dict) -> int:
+    """The most L2 prefetches a program of this shape asks for: one per thread, or per weight row."""
+    return max(32 * shape["num_warps"], shape["BLOCK_N"])
+
+
 def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit dots
 
@@ -338,6 +366,8 @@ def skinny_linear(
         r = r.contiguous()
     g = y if norm_weight is None else norm_weight.contiguous()
 
+    overlap = launch_options(x.device)
+
     def launch(shape: dict) -> None:
         split = shape["SPLIT"]
         parts = y if split == 1 else y.new_empty(split, rows, out_features, dtype=torch.float32)
@@ -345,12 +375,13 @@ def skinny_linear(
             flat, weight, y, r, g, parts, rows, out_features, features,
             flat.stride(0), weight.stride(0), y.stride(0), r.stride(0), eps,
             ROWS=tile, PRECISION=_precision(x), GATED=gated, RESIDUAL=residual is not None,
-            NORM=norm_weight is not None, **shape,
+            NORM=norm_weight is not None, CHUNKS=_chunks(shape), **shape, **overlap,
         )  # fmt: skip
         if split > 1:
             _sum_splits[(triton.cdiv(rows * out_features, SUM_BLOCK),)](
                 parts, y, r, rows, out_features, y.stride(0), r.stride(0),
                 SPLIT=split, RESIDUAL=residual is not None, BLOCK=SUM_BLOCK,
+                **{k: v for k, v in overlap.items() if k != "PREFETCH"},
             )  # fmt: skip
 
     # one block shape with or without a residual or a norm: they add N or K values a row
@@ -410,6 +441,8 @@ def qkv_rope_cache(
         weight = weight.contiguous()
     g = q if norm_weight is None else norm_weight.contiguous()
 
+    overlap = launch_options(x.device)
+
     def launch(shape: dict) -> None:
         _qkv_rope_cache[(weight.shape[0] // shape["BLOCK_N"],)](
             flat, weight, g, q, k_cache, v_cache, cos, sin, slots, flat.shape[0], flat.shape[1], new, eps,
@@ -418,7 +451,8 @@ def qkv_rope_cache(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             HEADS=heads, KV_HEADS=kv_heads, DIM=dim, ROWS=tile, PRECISION=_precision(x),
-            NORM=norm_weight is not None, **{k: v for k, v in shape.items() if k != "SPLIT"},
+            NORM=norm_weight is not None, CHUNKS=_chunks(shape),
+            **{k: v for k, v in shape.items() if k != "SPLIT"}, **overlap,
         )  # fmt: skip
 
     # rewriting the same cache entries while the shapes are timed changes nothing

@@ -21,7 +21,10 @@ import math
 
 import torch
 
-from inference_ref.triton_support import tl, triton
+from inference_ref.triton_support import launch_options, tl, triton
+
+if triton is not None:
+    from inference_ref.triton_support import after_previous_kernel
 
 MAX_ROWS = 64
 """The most query rows (query heads per K/V head × new tokens) one tile holds."""
@@ -72,9 +75,11 @@ if triton is not None:
         new, scale_log2,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
         ROWS: tl.constexpr, KEYS: tl.constexpr, DIM: tl.constexpr, PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         # One (row, K/V head, share of the keys). Tile row r: new token r // GROUP, query head
-        # kv_head · GROUP + r % GROUP.
+        # kv_head · GROUP + r % GROUP. PDL: the next map's weights stream into L2 meanwhile.
+        after_previous_kernel(PDL)
         pair, split = tl.program_id(0), tl.program_id(1)
         b, kv_head = (pair // KV_HEADS).to(tl.int64), pair % KV_HEADS  # b · stride: past 2³¹ at B·L > 2M
         r = tl.arange(0, ROWS)
@@ -120,12 +125,13 @@ if triton is not None:
         Part, Lse, Out,
         stride_ob, stride_os, stride_oh,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
-        ROWS: tl.constexpr, DIM: tl.constexpr,
+        ROWS: tl.constexpr, DIM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # One tile row of one (row, K/V head): its shares' outputs weighted by their exp2(lse),
         # all shares loaded at once. One row a program: taking a token's whole group of query
         # heads instead (a quarter of the programs at batch 8 × 8 tokens) left the merge's time
         # as it was on an H100 (0.228 ms a step, 2026-12-06).
+        after_previous_kernel(PDL)
         pair, r = tl.program_id(0), tl.program_id(1)
         b, kv_head = (pair // KV_HEADS).to(tl.int64), pair % KV_HEADS
         s, head = r // GROUP, kv_head * GROUP + r % GROUP
@@ -156,6 +162,7 @@ def split_kv_attention(
     lse = torch.empty(batch * kv_heads * splits * rows, device=q.device, dtype=torch.float32)
     out = q.new_empty(q.shape)  # contiguous, as the fake below says
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit dots
+    overlap = {k: v for k, v in launch_options(q.device).items() if k != "PREFETCH"}
     _split_kv_attention_partial[(batch * kv_heads, splits)](
         q, k_cache, v_cache, lengths, part, lse,
         lengths.stride(0), q.stride(0), q.stride(1), q.stride(2),
@@ -163,12 +170,12 @@ def split_kv_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         new, math.log2(math.e) / math.sqrt(dim),
         KV_HEADS=kv_heads, GROUP=group, SPLITS=splits, ROWS=rows, KEYS=BLOCK_KEYS, DIM=dim,
-        PRECISION=precision,
+        PRECISION=precision, **overlap,
     )  # fmt: skip
     _split_kv_attention_merge[(batch * kv_heads, new * group)](
         part, lse, out, out.stride(0), out.stride(1), out.stride(2),
         KV_HEADS=kv_heads, GROUP=group, SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits),
-        ROWS=rows, DIM=dim,
+        ROWS=rows, DIM=dim, **overlap,
     )  # fmt: skip
     return out
 

@@ -210,6 +210,12 @@ def test_triton_kernel_in_bf16(check):
     CHECKS[check]("cuda", torch.bfloat16)
 
 
+def test_graphed_steps_through_the_triton_kernels():
+    from kernel_checks import check_graphed_steps
+
+    check_graphed_steps("cuda", torch.bfloat16)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_target_steps_through_the_triton_kernels(compiled):
     from kernel_checks import check_model_steps
