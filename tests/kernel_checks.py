@@ -348,7 +348,10 @@ def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
             cache = model.new_cache(3, 64)
             model.forward_cached(prompt, cache)
             cache.lengths += lengths
-            eager, graphed = DecodeStep(model, cache, new, graph=False), DecodeStep(model, cache, new, graph=True)
+            eager, graphed = (
+                DecodeStep(model, cache, new, graph=False),
+                DecodeStep(model, cache, new, graph=True),
+            )
             for _ in range(3):
                 ids = torch.randint(0, model.cfg.vocab_size, (3, new), device=device)
                 want = eager(ids).clone()
