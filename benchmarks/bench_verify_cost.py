@@ -41,12 +41,11 @@ from benchmarks.common import (
 from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
 from inference_ref.models import TARGET_KINDS
 from inference_ref.skinny_linear import LINEAR_KERNELS, tuned_configs, use_linear_kernel
-from inference_ref.triton_support import use_launch_overlap
+from inference_ref.triton_support import use_pdl
 
 BATCHES = (1, 8, 32, 64)
 NEW_TOKENS = (1, 2, 3, 4, 5, 6, 8, 16, 32, 64)
 CONTEXT = 1024  # committed tokens per row before the verify: a mid-conversation cache
-OVERLAPS = ("both", "pdl", "prefetch", "none")  # --overlap
 
 
 def captured(fn) -> torch.cuda.CUDAGraph:
@@ -212,12 +211,10 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         "_unfolded added to the file name",
     )
     p.add_argument(
-        "--overlap",
-        choices=OVERLAPS,
-        default="both",
-        help="how the Triton kernels overlap one another (inference_ref.triton_support.use_launch_overlap): "
-        "both (the default: programmatic dependent launch, the maps' weights prefetched into L2 before "
-        "they wait), pdl, prefetch, or none; not both: _overlap_<it> added to the file name",
+        "--no-pdl",
+        action="store_true",
+        help="the Triton kernels launched one after another, without programmatic dependent launch "
+        "(inference_ref.triton_support.use_pdl); _no_pdl added to the file name",
     )
     p.add_argument("--tag", default="", help="added to the file name (a partial grid, another device)")
     p.add_argument("--new-tokens", type=int, nargs="+", default=list(NEW_TOKENS), help="per row, 1 = decode")
@@ -251,7 +248,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         inductor_autotune()
     use_cached_kernel(args.cached_kernel)
     use_linear_kernel(args.linear_kernel, folds=not args.unfolded)
-    use_launch_overlap(pdl=args.overlap in ("both", "pdl"), prefetch=args.overlap in ("both", "prefetch"))
+    use_pdl(not args.no_pdl)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
     measured, profiles = {}, None
@@ -283,7 +280,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}")
         + ("" if args.linear_kernel == "cublas" else f"_{args.linear_kernel}")
         + ("_unfolded" if args.unfolded else "")
-        + ("" if args.overlap == "both" else f"_overlap_{args.overlap}")
+        + ("_no_pdl" if args.no_pdl else "")
         + ("_compiled" if args.compiled_layers else "")
         + ("_autotuned" if args.autotune else "")
         + ("_profiled" if args.profile else "")  # its own file: a profiled run times fewer batches
@@ -298,7 +295,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             "cached_kernel": args.cached_kernel,
             "linear_kernel": args.linear_kernel,
             "folded": not args.unfolded,
-            "overlap": args.overlap,
+            "pdl": not args.no_pdl,
             "skinny_configs": tuned_configs(),
             "compiled_layers": args.compiled_layers,
             "autotune": args.autotune,

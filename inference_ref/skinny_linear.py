@@ -29,7 +29,7 @@ from inference_ref.causal_lm import RMSNorm
 from inference_ref.triton_support import INTERPRETED, launch_options, runs_on, tl, triton
 
 if triton is not None:
-    from inference_ref.triton_support import after_previous_kernel, prefetch_rows
+    from inference_ref.triton_support import after_previous_kernel
 
 MAX_ROWS = 64
 """The most rows of x one call takes (the tile `tl.dot` multiplies); more go to cuBLAS."""
@@ -95,106 +95,134 @@ if triton is not None:
         return tl.load(X + at, mask=mask, other=0.0)
 
     @triton.jit
+    def _weights(W, n, N, first, K, stride_wn, BLOCK_K: tl.constexpr):
+        # w[n, first : first + BLOCK_K] (zeros past N and K). Read once: evict_first keeps them
+        # from pushing x and the next maps' inputs out of L2.
+        k = first + tl.arange(0, BLOCK_K)
+        return tl.load(
+            W + n[:, None] * stride_wn + k[None, :],
+            mask=(n[:, None] < N) & (k[None, :] < K),
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+
+    @triton.jit
+    def _first_weights(W, n, N, start, K, stride_wn, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # With PDL the program's first block of weights, loaded before the wait for the kernel
+        # before (`triton_support`: no kernel writes weights), so that its blocks read while that
+        # kernel's last ones finish; without, none (each K step loads its own).
+        return _weights(W, n, N, start, K, stride_wn, BLOCK_K) if PDL else None
+
+    @triton.jit
+    def _row_step(
+        acc, squares, X, G, w, first, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr
+    ):
+        k = first + tl.arange(0, BLOCK_K)
+        x = _load_x(X, k, k < K, K, GATED).to(tl.float32)
+        if NORM:
+            squares += x * x
+            x = x * tl.load(G + k, mask=k < K, other=0.0).to(tl.float32)
+        return acc + w.to(tl.float32) * x[None, :], squares
+
+    @triton.jit
     def _row_product(
-        X, W, G, n, N, K, stride_wn, eps,
+        X, W, G, n, N, K, stride_wn, eps, w_first,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
-        # x · w[n] of one row x, [BLOCK_N] in fp32: multiplied and summed along K, in BLOCK_K steps.
-        # NORM: of rms_norm(x) · G instead, the sum of squares gathered from the same loads and
-        # 1/rms applied to the sums. The weights are read once: evict_first keeps them from
-        # pushing x and the next maps' inputs out of L2.
+        # x · w[n] of one row x, [BLOCK_N] in fp32: multiplied and summed along K, in BLOCK_K steps
+        # (the first one's weights `w_first` with PDL). NORM: of rms_norm(x) · G instead, the sum
+        # of squares gathered from the same loads and 1/rms applied to the sums.
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         squares = tl.zeros([BLOCK_K], tl.float32)
-        for first in range(0, K, BLOCK_K):
-            k = first + tl.arange(0, BLOCK_K)
-            x = _load_x(X, k, k < K, K, GATED).to(tl.float32)
-            if NORM:
-                squares += x * x
-                x = x * tl.load(G + k, mask=k < K, other=0.0).to(tl.float32)
-            w = tl.load(
-                W + n[:, None] * stride_wn + k[None, :],
-                mask=(n[:, None] < N) & (k[None, :] < K),
-                other=0.0,
-                eviction_policy="evict_first",
-            )
-            acc += w.to(tl.float32) * x[None, :]
+        start = 0
+        if PDL:
+            acc, squares = _row_step(acc, squares, X, G, w_first, 0, K, BLOCK_K, GATED, NORM)
+            start = BLOCK_K
+        for first in range(start, K, BLOCK_K):
+            w = _weights(W, n, N, first, K, stride_wn, BLOCK_K)
+            acc, squares = _row_step(acc, squares, X, G, w, first, K, BLOCK_K, GATED, NORM)
         y = tl.sum(acc, 1)
         if NORM:
             y = y * tl.rsqrt(tl.sum(squares, 0) / K + eps)
         return y
 
     @triton.jit
-    def _tile_product(
-        X, W, n, M, N, start, K, stride_xm, stride_wn,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    def _tile_step(
+        acc,
+        X,
+        w,
+        m,
+        M,
+        first,
+        K,
+        stride_xm,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
         SWAP: tl.constexpr,
+    ):
+        k = first + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0
+        )
+        if SWAP:
+            acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        return acc
+
+    @triton.jit
+    def _tile_product(
+        X, W, n, M, N, start, K, stride_xm, stride_wn, w_first,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        SWAP: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        # x[m, start:K] · w[n, start:K] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`). x
-        # goes into the dot as loaded: computed on before it (SiLU·up, 2026-12-05) the maps ran 2×
-        # slower on an H200. SWAP: w · xᵀ, [BLOCK_N, ROWS], transposed once at the end.
+        # x[m, start:K] · w[n, start:K] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`;
+        # the first step's weights `w_first` with PDL). x goes into the dot as loaded: computed on
+        # before it (SiLU·up, 2026-12-05) the maps ran 2× slower on an H200. SWAP: w · xᵀ,
+        # [BLOCK_N, ROWS], transposed once at the end.
         m = tl.arange(0, ROWS)
         if SWAP:
             acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
         else:
             acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        if PDL:
+            acc = _tile_step(acc, X, w_first, m, M, start, K, stride_xm, BLOCK_K, PRECISION, SWAP)
+            start += BLOCK_K
         for first in range(start, K, BLOCK_K):
-            k = first + tl.arange(0, BLOCK_K)
-            x = tl.load(
-                X + m[:, None] * stride_xm + k[None, :],
-                mask=(m[:, None] < M) & (k[None, :] < K),
-                other=0.0,
-            )
-            w = tl.load(
-                W + n[:, None] * stride_wn + k[None, :],
-                mask=(n[:, None] < N) & (k[None, :] < K),
-                other=0.0,
-                eviction_policy="evict_first",
-            )
-            if SWAP:
-                acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
-            else:
-                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            w = _weights(W, n, N, first, K, stride_wn, BLOCK_K)
+            acc = _tile_step(acc, X, w, m, M, first, K, stride_xm, BLOCK_K, PRECISION, SWAP)
         if SWAP:
             acc = tl.trans(acc)
         return acc
-
-    @triton.jit
-    def _prefetch_weights(W, n0, rows, N, start, end, stride_wn, skip_from, skip, CHUNKS: tl.constexpr):
-        # this program's weights, rows n0 … (rows, less those past N) × columns start … end, into L2
-        word = W.dtype.element_ty.primitive_bitwidth // 8
-        first = (W + n0.to(tl.int64) * stride_wn + start).to(tl.int64)
-        rows = tl.minimum(rows, N - n0)
-        prefetch_rows(first, rows, (end - start) * word, stride_wn * word, skip_from, skip, CHUNKS)
 
     @triton.jit
     def _skinny_gemm(
         X, W, Y, R, G, P, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
         GATED: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr, SWAP: tl.constexpr,
-        SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, CHUNKS: tl.constexpr,
+        SPLIT: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL). SPLIT > 1 (a tile
         # of rows): this program's share of K only, its fp32 sums into P [SPLIT, M, N] for
-        # `_sum_splits` to add up. PREFETCH, PDL: the weights asked for before the wait for the
-        # kernel before (`triton_support`).
-        n0 = tl.program_id(0) * BLOCK_N
-        n = n0 + tl.arange(0, BLOCK_N)
+        # `_sum_splits` to add up.
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         share = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K  # whole K steps each
         start = tl.program_id(1) * share
         end = tl.minimum(K, start + share)
-        if PREFETCH:
-            _prefetch_weights(W, n0, BLOCK_N, N, start, end, stride_wn, BLOCK_N, 0, CHUNKS)
+        w_first = _first_weights(W, n, N, start, end, stride_wn, BLOCK_K, PDL)
         after_previous_kernel(PDL)
         if ROWS == 1:
-            y = _row_product(X, W, G, n, N, K, stride_wn, eps, BLOCK_N, BLOCK_K, GATED, NORM)
+            y = _row_product(X, W, G, n, N, K, stride_wn, eps, w_first, BLOCK_N, BLOCK_K, GATED, NORM, PDL)
             if RESIDUAL:
                 y += tl.load(R + n, mask=n < N, other=0.0).to(tl.float32)
             tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
         else:
             m = tl.arange(0, ROWS)
             acc = _tile_product(
-                X, W, n, M, N, start, end, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP
-            )
+                X, W, n, M, N, start, end, stride_xm, stride_wn, w_first,
+                ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL,
+            )  # fmt: skip
             inside = (m[:, None] < M) & (n[None, :] < N)
             if SPLIT > 1:
                 tl.store(P + (tl.program_id(1) * M + m[:, None]) * N + n[None, :], acc, mask=inside)
@@ -228,8 +256,7 @@ if triton is not None:
         stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        NORM: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-        CHUNKS: tl.constexpr,
+        NORM: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # BLOCK_N / 2 rotary pairs (j, j + DIM / 2) of one head of q, k or v: the weight rows of
         # each pair side by side, so that the epilogue rotates q and k as `apply_rotary` does (the
@@ -242,20 +269,18 @@ if triton is not None:
         lower = head * DIM + j
         n = tl.reshape(tl.join(lower, lower + HALF), [BLOCK_N])
         N = (HEADS + 2 * KV_HEADS) * DIM
-        if PREFETCH:  # the pairs' rows: PAIRS from head · DIM + j, PAIRS more HALF further
-            _prefetch_weights(
-                W, head * DIM + pair % HALF, BLOCK_N, N, 0, K, stride_wn, PAIRS, HALF - PAIRS, CHUNKS
-            )
+        w_first = _first_weights(W, n, N, 0, K, stride_wn, BLOCK_K, PDL)
         after_previous_kernel(PDL)
         if ROWS == 1:
             m = tl.arange(0, 1)[:, None]
-            y = _row_product(X, W, G, n, N, K, stride_wn, eps, BLOCK_N, BLOCK_K, False, NORM)
+            y = _row_product(X, W, G, n, N, K, stride_wn, eps, w_first, BLOCK_N, BLOCK_K, False, NORM, PDL)
             a, b = tl.split(tl.reshape(y, [1, PAIRS, 2]))
         else:
             m = tl.arange(0, ROWS)[:, None]
             y = _tile_product(
-                X, W, n, M, N, 0, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP
-            )
+                X, W, n, M, N, 0, K, stride_xm, stride_wn, w_first,
+                ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL,
+            )  # fmt: skip
             a, b = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         there = m < M
         j = j[None, :]
@@ -319,11 +344,6 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return flat, 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
 
 
-def _chunks(shape: dict) -> int:
-    """The most L2 prefetches a program of this shape asks for: one per thread, or per weight row."""
-    return max(32 * shape["num_warps"], shape["BLOCK_N"])
-
-
 def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit dots
 
@@ -366,7 +386,7 @@ def skinny_linear(
         r = r.contiguous()
     g = y if norm_weight is None else norm_weight.contiguous()
 
-    overlap = launch_options(x.device)
+    pdl = launch_options(x.device)
 
     def launch(shape: dict) -> None:
         split = shape["SPLIT"]
@@ -375,13 +395,13 @@ def skinny_linear(
             flat, weight, y, r, g, parts, rows, out_features, features,
             flat.stride(0), weight.stride(0), y.stride(0), r.stride(0), eps,
             ROWS=tile, PRECISION=_precision(x), GATED=gated, RESIDUAL=residual is not None,
-            NORM=norm_weight is not None, CHUNKS=_chunks(shape), **shape, **overlap,
+            NORM=norm_weight is not None, **shape, **pdl,
         )  # fmt: skip
         if split > 1:
             _sum_splits[(triton.cdiv(rows * out_features, SUM_BLOCK),)](
                 parts, y, r, rows, out_features, y.stride(0), r.stride(0),
                 SPLIT=split, RESIDUAL=residual is not None, BLOCK=SUM_BLOCK,
-                **{k: v for k, v in overlap.items() if k != "PREFETCH"},
+                **pdl,
             )  # fmt: skip
 
     # one block shape with or without a residual or a norm: they add N or K values a row
@@ -441,7 +461,7 @@ def qkv_rope_cache(
         weight = weight.contiguous()
     g = q if norm_weight is None else norm_weight.contiguous()
 
-    overlap = launch_options(x.device)
+    pdl = launch_options(x.device)
 
     def launch(shape: dict) -> None:
         _qkv_rope_cache[(weight.shape[0] // shape["BLOCK_N"],)](
@@ -451,8 +471,7 @@ def qkv_rope_cache(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             HEADS=heads, KV_HEADS=kv_heads, DIM=dim, ROWS=tile, PRECISION=_precision(x),
-            NORM=norm_weight is not None, CHUNKS=_chunks(shape),
-            **{k: v for k, v in shape.items() if k != "SPLIT"}, **overlap,
+            NORM=norm_weight is not None, **{k: v for k, v in shape.items() if k != "SPLIT"}, **pdl,
         )  # fmt: skip
 
     # rewriting the same cache entries while the shapes are timed changes nothing

@@ -162,7 +162,7 @@ def split_kv_attention(
     lse = torch.empty(batch * kv_heads * splits * rows, device=q.device, dtype=torch.float32)
     out = q.new_empty(q.shape)  # contiguous, as the fake below says
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit dots
-    overlap = {k: v for k, v in launch_options(q.device).items() if k != "PREFETCH"}
+    pdl = launch_options(q.device)
     _split_kv_attention_partial[(batch * kv_heads, splits)](
         q, k_cache, v_cache, lengths, part, lse,
         lengths.stride(0), q.stride(0), q.stride(1), q.stride(2),
@@ -170,12 +170,12 @@ def split_kv_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         new, math.log2(math.e) / math.sqrt(dim),
         KV_HEADS=kv_heads, GROUP=group, SPLITS=splits, ROWS=rows, KEYS=BLOCK_KEYS, DIM=dim,
-        PRECISION=precision, **overlap,
+        PRECISION=precision, **pdl,
     )  # fmt: skip
     _split_kv_attention_merge[(batch * kv_heads, new * group)](
         part, lse, out, out.stride(0), out.stride(1), out.stride(2),
         KV_HEADS=kv_heads, GROUP=group, SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits),
-        ROWS=rows, DIM=dim, **overlap,
+        ROWS=rows, DIM=dim, **pdl,
     )  # fmt: skip
     return out
 

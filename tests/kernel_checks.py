@@ -403,15 +403,12 @@ def compile_for_hopper(kernel: str) -> list[str]:
     tile = {"PRECISION": "tf32"}
     done = []
 
-    def overlap(n: int, warps: int) -> dict:  # as on a Hopper GPU: PDL, weights prefetched into L2
-        return dict(PDL=True, PREFETCH=True, CHUNKS=skinny._chunks({"num_warps": warps, "BLOCK_N": n}))
-
     if kernel == "skinny":
         pointers, scalars = "X W Y R G P", "M N K stride_xm stride_wn stride_ym stride_rm eps"
         for rows, n, k, warps, stages, swap, split in shapes:
             for gated, residual, norm in ((False, False, rows == 1), (rows == 1, True, False)):
                 flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap, SPLIT=split)
-                constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags, **overlap(n, warps))
+                constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags, PDL=True)
                 done.append(compiled(skinny._skinny_gemm, pointers, scalars, constants, warps, stages))
         for split, residual in ((2, False), (4, True)):
             constants = dict(SPLIT=split, RESIDUAL=residual, BLOCK=skinny.SUM_BLOCK, PDL=True)
@@ -428,7 +425,7 @@ def compile_for_hopper(kernel: str) -> list[str]:
                 continue
             for norm in {rows == 1, False}:
                 constants = dict(**heads, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, NORM=norm, SWAP=swap)
-                constants |= overlap(n, warps)
+                constants["PDL"] = True
                 done.append(compiled(skinny._qkv_rope_cache, pointers, scalars, constants, warps, stages))
     else:
         heads = dict(KV_HEADS=8, GROUP=4, SPLITS=16, DIM=128)
