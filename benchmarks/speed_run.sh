@@ -86,20 +86,19 @@ run s8_all $s all $k8s
 run s8_no_split $s no_split $k8s
 run s70_all_again $s all $k70s --tag shapes_all_again
 run s70_no_split_again $s no_split $k70s --tag shapes_no_split_again
-# programmatic dependent launch and the maps' weights prefetched into L2 (2026-12-06, third session):
-# each kernel's start overlapping the previous one's end; none against both, in turn, twice
+# programmatic dependent launch (2026-12-06, third session): each kernel's blocks start while the one
+# before finishes, load their first block of weights, then wait; without and with, in turn
 o8="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny"
-run o8_none $o8 --overlap none --tag pdl
-run o8_both $o8 --tag pdl
+run o8_off $o8 --no-pdl --tag pdl
+run o8_on $o8 --tag pdl
 run t_pdl python -m pytest -q -m gpu tests/test_gpu.py -k "triton"  # the GPU tests, with PDL
-run o8_pdl $o8 --overlap pdl --tag pdl
-run o8_none_again $o8 --overlap none --tag pdl_again
-run o8_both_again $o8 --tag pdl_again
+run o70_off $v $k70s --no-pdl --tag pdl
+run o70_on $v $k70s --tag pdl
 o64="$v --shape llama3_8b --compiled-layers --batches 16 64 --new-tokens 1 2 4 --context 256 --cached-kernel split --linear-kernel skinny"
-run o64_none $o64 --overlap none --tag b64_pdl
-run o64_both $o64 --tag b64_pdl
-run o70_none $v $k70s --overlap none --tag pdl
-run o70_both $v $k70s --tag pdl
+run o64_off $o64 --no-pdl --tag b64_pdl
+run o64_on $o64 --tag b64_pdl
+run o8_off_again $o8 --no-pdl --tag pdl_again
+run o8_on_again $o8 --tag pdl_again
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny
