@@ -91,9 +91,9 @@ run s70_no_split_again $s no_split $k70s --tag shapes_no_split_again
 o8="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny"
 run o8_off $o8 --no-pdl --tag pdl
 run o8_on $o8 --tag pdl
-run t_pdl python -m pytest -q -m gpu tests/test_gpu.py -k "triton"  # the GPU tests, with PDL
 run o70_off $v $k70s --no-pdl --tag pdl
 run o70_on $v $k70s --tag pdl
+run t_pdl python -m pytest -q -m gpu tests/test_gpu.py -k "triton"  # the GPU tests, with PDL
 o64="$v --shape llama3_8b --compiled-layers --batches 16 64 --new-tokens 1 2 4 --context 256 --cached-kernel split --linear-kernel skinny"
 run o64_off $o64 --no-pdl --tag b64_pdl
 run o64_on $o64 --tag b64_pdl
