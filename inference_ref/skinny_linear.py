@@ -111,7 +111,11 @@ if triton is not None:
         # With PDL the program's first block of weights, loaded before the wait for the kernel
         # before (`triton_support`: no kernel writes weights), so that its blocks read while that
         # kernel's last ones finish; without, none (each K step loads its own).
-        return _weights(W, n, N, start, K, stride_wn, BLOCK_K) if PDL else None
+        if PDL:
+            w = _weights(W, n, N, start, K, stride_wn, BLOCK_K)
+        else:
+            w = 0.0  # unused (an expression returning None does not compile in Triton 3.6)
+        return w
 
     @triton.jit
     def _row_step(
@@ -386,7 +390,7 @@ def skinny_linear(
         r = r.contiguous()
     g = y if norm_weight is None else norm_weight.contiguous()
 
-    pdl = launch_options(x.device)
+    pdl = launch_options(x.device, tile)
 
     def launch(shape: dict) -> None:
         split = shape["SPLIT"]
@@ -461,7 +465,7 @@ def qkv_rope_cache(
         weight = weight.contiguous()
     g = q if norm_weight is None else norm_weight.contiguous()
 
-    pdl = launch_options(x.device)
+    pdl = launch_options(x.device, tile)
 
     def launch(shape: dict) -> None:
         _qkv_rope_cache[(weight.shape[0] // shape["BLOCK_N"],)](

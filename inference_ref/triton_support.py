@@ -32,8 +32,8 @@ def runs_on(device_type: str) -> bool:
 
 
 def use_pdl(on: bool = True) -> None:
-    """Whether the kernels launch with PDL where the GPU has it (the module docstring): on by
-    default, off for the benchmarks' baselines (`bench_verify_cost --no-pdl`)."""
+    """Whether the kernels launch with PDL where the GPU has it and `launch_options` says (the
+    module docstring): on by default, off for the benchmarks' baselines (`bench_verify_cost --no-pdl`)."""
     _pdl["on"] = on
 
 
@@ -44,10 +44,16 @@ def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def launch_options(device) -> dict:
-    """The PDL constexpr of a kernel on `device`, and the launch option that goes with it: off
-    under the interpreter (it has no grid dependency control) and before Hopper."""
-    pdl = device.type == "cuda" and not INTERPRETED and _pdl["on"] and _has_pdl(device.index or 0)
+def launch_options(device, rows: int) -> dict:
+    """The PDL constexpr of a kernel on `device` over `rows` rows of x (query tokens for the
+    attention), and the launch option that goes with it. On for one row, a decode step at batch 1:
+    on an H100 that step took 5.45 ms with it against 5.64 without (the maps' first weights loaded
+    during the previous kernel's tail), while the tiles of 16–64 rows (verifies, larger batches)
+    ran up to 3 % slower with it, and with PDL alone (docs/benchmarks.md). Off under the interpreter
+    (it has no grid dependency control) and before Hopper."""
+    pdl = (
+        rows == 1 and device.type == "cuda" and not INTERPRETED and _pdl["on"] and _has_pdl(device.index or 0)
+    )
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
 
 

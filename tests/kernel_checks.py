@@ -332,31 +332,35 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
 
 def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
     """Decode and 3-token verify steps through both kernels replayed from CUDA graphs equal the
-    same steps run eagerly, three in a row. On Hopper the kernels launch with programmatic dependent
-    launch (`triton_support`): each waits for the kernel before inside, which a graph keeps as an
-    edge of its own; one that read its input before the wait would read the last replay's."""
+    same steps run eagerly, three in a row, for three rows and for one. On Hopper one row's kernels
+    launch with programmatic dependent launch (`triton_support`): each waits for the kernel before
+    inside, which a graph keeps as an edge of its own; one that read its input before the wait
+    would read the last replay's."""
     from inference_ref.decode_graph import DecodeStep
 
     model = random_llama(tiny_llama(), device, dtype, seed=0)
     torch.manual_seed(2)
-    lengths = torch.tensor([40, 25, 33], device=device)
-    prompt = torch.randint(0, model.cfg.vocab_size, (3, 40), device=device)
     use_cached_kernel("split")
     use_linear_kernel("skinny")
     try:
-        for new in (1, 3):
-            cache = model.new_cache(3, 64)
-            model.forward_cached(prompt, cache)
-            cache.lengths += lengths
+        for lengths, new in (([40, 25, 33], 1), ([40, 25, 33], 3), ([30], 1), ([30], 3)):
+            rows = len(lengths)
+            cache = model.new_cache(rows, 64)
+            model.forward_cached(torch.randint(0, model.cfg.vocab_size, (rows, 40), device=device), cache)
+            cache.lengths += torch.tensor(lengths, device=device)
             eager, graphed = (
                 DecodeStep(model, cache, new, graph=False),
                 DecodeStep(model, cache, new, graph=True),
             )
             for _ in range(3):
-                ids = torch.randint(0, model.cfg.vocab_size, (3, new), device=device)
+                ids = torch.randint(0, model.cfg.vocab_size, (rows, new), device=device)
                 want = eager(ids).clone()
                 got = graphed(ids)  # the same cache entries written again
-                assert relative_error(got, want) < 10 * tolerance(dtype), (new, relative_error(got, want))
+                assert relative_error(got, want) < 10 * tolerance(dtype), (
+                    rows,
+                    new,
+                    relative_error(got, want),
+                )
                 cache.lengths += new
     finally:
         use_cached_kernel("auto")
@@ -408,10 +412,10 @@ def compile_for_hopper(kernel: str) -> list[str]:
         for rows, n, k, warps, stages, swap, split in shapes:
             for gated, residual, norm in ((False, False, rows == 1), (rows == 1, True, False)):
                 flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap, SPLIT=split)
-                constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags, PDL=True)
+                constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags, PDL=rows == 1)
                 done.append(compiled(skinny._skinny_gemm, pointers, scalars, constants, warps, stages))
         for split, residual in ((2, False), (4, True)):
-            constants = dict(SPLIT=split, RESIDUAL=residual, BLOCK=skinny.SUM_BLOCK, PDL=True)
+            constants = dict(SPLIT=split, RESIDUAL=residual, BLOCK=skinny.SUM_BLOCK, PDL=False)
             done.append(compiled(skinny._sum_splits, "P Y R", "M N stride_ym stride_rm", constants))
     elif kernel == "qkv_rope_cache":
         pointers = "X W G Q KC VC Cos Sin Slots"
@@ -425,13 +429,15 @@ def compile_for_hopper(kernel: str) -> list[str]:
                 continue
             for norm in {rows == 1, False}:
                 constants = dict(**heads, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, NORM=norm, SWAP=swap)
-                constants["PDL"] = True
+                constants["PDL"] = rows == 1  # as `triton_support.launch_options` launches them
                 done.append(compiled(skinny._qkv_rope_cache, pointers, scalars, constants, warps, stages))
     else:
         heads = dict(KV_HEADS=8, GROUP=4, SPLITS=16, DIM=128)
         scalars = "stride_lb stride_qb stride_qs stride_qh stride_kb stride_kl stride_kh stride_vb stride_vl stride_vh"
         for rows in (16, 64):
-            constants = dict(**heads, ROWS=rows, KEYS=split.BLOCK_KEYS, **tile, PDL=True)
+            constants = dict(
+                **heads, ROWS=rows, KEYS=split.BLOCK_KEYS, **tile, PDL=rows == 16
+            )  # with and without
             done.append(
                 compiled(
                     split._split_kv_attention_partial,
