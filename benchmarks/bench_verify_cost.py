@@ -211,10 +211,10 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         "_unfolded added to the file name",
     )
     p.add_argument(
-        "--no-pdl",
+        "--pdl",
         action="store_true",
-        help="the Triton kernels launched one after another, without programmatic dependent launch "
-        "(inference_ref.triton_support.use_pdl); _no_pdl added to the file name",
+        help="one row's Triton kernels launched with programmatic dependent launch "
+        "(inference_ref.triton_support.use_pdl); _pdl added to the file name",
     )
     p.add_argument("--tag", default="", help="added to the file name (a partial grid, another device)")
     p.add_argument("--new-tokens", type=int, nargs="+", default=list(NEW_TOKENS), help="per row, 1 = decode")
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         inductor_autotune()
     use_cached_kernel(args.cached_kernel)
     use_linear_kernel(args.linear_kernel, folds=not args.unfolded)
-    use_pdl(not args.no_pdl)
+    use_pdl(args.pdl)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
     measured, profiles = {}, None
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}")
         + ("" if args.linear_kernel == "cublas" else f"_{args.linear_kernel}")
         + ("_unfolded" if args.unfolded else "")
-        + ("_no_pdl" if args.no_pdl else "")
+        + ("_pdl" if args.pdl else "")
         + ("_compiled" if args.compiled_layers else "")
         + ("_autotuned" if args.autotune else "")
         + ("_profiled" if args.profile else "")  # its own file: a profiled run times fewer batches
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             "cached_kernel": args.cached_kernel,
             "linear_kernel": args.linear_kernel,
             "folded": not args.unfolded,
-            "pdl": not args.no_pdl,
+            "pdl": args.pdl,
             "skinny_configs": tuned_configs(),
             "compiled_layers": args.compiled_layers,
             "autotune": args.autotune,

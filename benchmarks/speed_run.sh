@@ -89,16 +89,16 @@ run s70_no_split_again $s no_split $k70s --tag shapes_no_split_again
 # programmatic dependent launch (2026-12-06, third session): each kernel's blocks start while the one
 # before finishes, load their first block of weights, then wait; without and with, in turn
 o8="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny"
-run o8_off $o8 --no-pdl --tag pdl
-run o8_on $o8 --tag pdl
-run o70_off $v $k70s --no-pdl --tag pdl
-run o70_on $v $k70s --tag pdl
-run t_pdl python -m pytest -q -m gpu tests/test_gpu.py -k "triton"  # the GPU tests, with PDL
+run o8_off $o8 --tag pdl_ab
+run o8_on $o8 --pdl --tag pdl_ab
+run o70_off $v $k70s --tag pdl_ab
+run o70_on $v $k70s --pdl --tag pdl_ab
+run t_pdl python -m pytest -q -m gpu tests/test_gpu.py -k "triton"  # the GPU tests (the graphed check turns PDL on)
 o64="$v --shape llama3_8b --compiled-layers --batches 16 64 --new-tokens 1 2 4 --context 256 --cached-kernel split --linear-kernel skinny"
-run o64_off $o64 --no-pdl --tag b64_pdl
-run o64_on $o64 --tag b64_pdl
-run o8_off_again $o8 --no-pdl --tag pdl_again
-run o8_on_again $o8 --tag pdl_again
+run o64_off $o64 --tag b64_pdl_ab
+run o64_on $o64 --pdl --tag b64_pdl_ab
+run o8_off_again $o8 --tag pdl_ab_again
+run o8_on_again $o8 --pdl --tag pdl_ab_again
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny

@@ -2,7 +2,8 @@
 CUDA, and on a CPU under Triton's interpreter (`TRITON_INTERPRET=1`, which Triton reads when a
 kernel is defined: the tests set it in a child process). Without Triton they never run.
 
-Also how they follow one another on Hopper and later GPUs: programmatic dependent launch (PDL). A
+Also how they may follow one another on Hopper and later GPUs (`use_pdl`: off by default until
+measured to pay): programmatic dependent launch (PDL). A
 decode step is a chain of short memory-bound kernels (a 50 MB map reads in about 10 µs on an
 H200), and each one's last thread blocks finish while the SMs they leave idle. Launched with PDL, a
 kernel's blocks start once every block of the kernel before has started and waited for its own
@@ -23,7 +24,7 @@ except ImportError:  # a build without Triton
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-_pdl = {"on": True}
+_pdl = {"on": False}
 
 
 def runs_on(device_type: str) -> bool:
@@ -32,8 +33,11 @@ def runs_on(device_type: str) -> bool:
 
 
 def use_pdl(on: bool = True) -> None:
-    """Whether the kernels launch with PDL where the GPU has it and `launch_options` says (the
-    module docstring): on by default, off for the benchmarks' baselines (`bench_verify_cost --no-pdl`)."""
+    """Whether one row's kernels launch with PDL where the GPU has it (`launch_options`, the module
+    docstring). Off by default until an A/B on one GPU shows it pays: on an H100 PDL alone made a
+    decode step at batch 1 0.8 % faster and verifies 1-2 % slower; with the first weights loaded
+    before the wait the decode step took 5.45 ms on another H100, inside the 5.45-5.67 ms that
+    H100s gave without it (docs/benchmarks.md). `bench_verify_cost --pdl` turns it on."""
     _pdl["on"] = on
 
 
@@ -46,11 +50,9 @@ def _has_pdl(device_index: int) -> bool:
 
 def launch_options(device, rows: int) -> dict:
     """The PDL constexpr of a kernel on `device` over `rows` rows of x (query tokens for the
-    attention), and the launch option that goes with it. On for one row, a decode step at batch 1:
-    on an H100 that step took 5.45 ms with it against 5.64 without (the maps' first weights loaded
-    during the previous kernel's tail), while the tiles of 16–64 rows (verifies, larger batches)
-    ran up to 3 % slower with it, and with PDL alone (docs/benchmarks.md). Off under the interpreter
-    (it has no grid dependency control) and before Hopper."""
+    attention), and the launch option that goes with it: with `use_pdl`, for one row (a decode step
+    at batch 1; the tiles of 16-64 rows ran 1-3 % slower with PDL on an H100), on Hopper and later.
+    Never under the interpreter, which has no grid dependency control."""
     pdl = (
         rows == 1 and device.type == "cuda" and not INTERPRETED and _pdl["on"] and _has_pdl(device.index or 0)
     )

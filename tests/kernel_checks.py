@@ -8,6 +8,7 @@ when the kernels are defined) and on CUDA in bf16 (`test_gpu.py`).
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -332,18 +333,20 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
 
 def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
     """Decode and 3-token verify steps through both kernels replayed from CUDA graphs equal the
-    same steps run eagerly, three in a row, for three rows and for one. On Hopper one row's kernels
-    launch with programmatic dependent launch (`triton_support`): each waits for the kernel before
-    inside, which a graph keeps as an edge of its own; one that read its input before the wait
-    would read the last replay's."""
+    same steps run eagerly, three in a row, for three rows and for one, with PDL and without. With
+    it one row's kernels launch with programmatic dependent launch on Hopper (`triton_support`):
+    each waits for the kernel before inside, which a graph keeps as an edge of its own; one that
+    read its input before the wait would read the last replay's."""
     from inference_ref.decode_graph import DecodeStep
+    from inference_ref.triton_support import use_pdl
 
     model = random_llama(tiny_llama(), device, dtype, seed=0)
     torch.manual_seed(2)
     use_cached_kernel("split")
     use_linear_kernel("skinny")
     try:
-        for lengths, new in (([40, 25, 33], 1), ([40, 25, 33], 3), ([30], 1), ([30], 3)):
+        for pdl, lengths, new in itertools.product((False, True), ([40, 25, 33], [30]), (1, 3)):
+            use_pdl(pdl)
             rows = len(lengths)
             cache = model.new_cache(rows, 64)
             model.forward_cached(torch.randint(0, model.cfg.vocab_size, (rows, 40), device=device), cache)
@@ -360,11 +363,13 @@ def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
                     rows,
                     new,
                     relative_error(got, want),
+                    pdl,
                 )
                 cache.lengths += new
     finally:
         use_cached_kernel("auto")
         use_linear_kernel("auto")
+        use_pdl(False)
 
 
 POINTER_TYPES = {
