@@ -94,6 +94,30 @@ def test_kernels_compile_for_an_h100_or_h200(kernel):
     assert compile_for_hopper(kernel)
 
 
+def test_pdl_is_opt_in_and_launches_one_rows_kernels_on_hopper_only(monkeypatch):
+    """`use_pdl` turns programmatic dependent launch on for kernels over one row, on a GPU that has
+    it; never for tiles, a CPU, or the interpreter (whose kernels would not compile with it)."""
+    import torch
+
+    from inference_ref import triton_support
+
+    monkeypatch.setattr(triton_support, "INTERPRETED", False)
+    monkeypatch.setattr(triton_support, "_has_pdl", lambda index: index == 0)  # GPU 0 a Hopper, 1 older
+    hopper, older, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    on = {"PDL": True, "launch_pdl": True}
+    assert triton_support.launch_options(hopper, 1) == {"PDL": False}  # off by default
+    triton_support.use_pdl(True)
+    try:
+        assert triton_support.launch_options(hopper, 1) == on
+        assert triton_support.launch_options(torch.device("cuda"), 1) == on  # the current GPU: 0
+        for device, rows in ((hopper, 16), (hopper, 64), (older, 1), (cpu, 1)):
+            assert triton_support.launch_options(device, rows) == {"PDL": False}, (device, rows)
+        monkeypatch.setattr(triton_support, "INTERPRETED", True)
+        assert triton_support.launch_options(hopper, 1) == {"PDL": False}
+    finally:
+        triton_support.use_pdl(False)
+
+
 def test_split_kv_takes_the_head_sizes_and_tiles_it_can():
     from inference_ref.split_kv_attention import fits
 
