@@ -86,17 +86,15 @@ run s8_all $s all $k8s
 run s8_no_split $s no_split $k8s
 run s70_all_again $s all $k70s --tag shapes_all_again
 run s70_no_split_again $s no_split $k70s --tag shapes_no_split_again
-# programmatic dependent launch (2026-12-06, third session): each kernel's blocks start while the one
-# before finishes, load their first block of weights, then wait; without and with, in turn
+# programmatic dependent launch for one row's kernels (2026-12-06, third session; opt-in: use_pdl):
+# their blocks start while the kernel before finishes, load their first weights, then wait; without
+# and with, in turn, twice at 8B (the tiles launch the same either way); then `t` (its graphed check
+# captures steps with PDL and without)
 o8="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny"
 run o8_off $o8 --tag pdl_ab
 run o8_on $o8 --pdl --tag pdl_ab
 run o70_off $v $k70s --tag pdl_ab
 run o70_on $v $k70s --pdl --tag pdl_ab
-run t_pdl python -m pytest -q -m gpu tests/test_gpu.py -k "triton"  # the GPU tests (the graphed check turns PDL on)
-o64="$v --shape llama3_8b --compiled-layers --batches 16 64 --new-tokens 1 2 4 --context 256 --cached-kernel split --linear-kernel skinny"
-run o64_off $o64 --tag b64_pdl_ab
-run o64_on $o64 --pdl --tag b64_pdl_ab
 run o8_off_again $o8 --tag pdl_ab_again
 run o8_on_again $o8 --pdl --tag pdl_ab_again
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"

@@ -95,37 +95,44 @@ if triton is not None:
         return tl.load(X + at, mask=mask, other=0.0)
 
     @triton.jit
-    def _weights(W, n, N, first, K, stride_wn, BLOCK_K: tl.constexpr):
-        # w[n, first : first + BLOCK_K] (zeros past N and K). Read once: evict_first keeps them
-        # from pushing x and the next maps' inputs out of L2.
-        k = first + tl.arange(0, BLOCK_K)
-        return tl.load(
-            W + n[:, None] * stride_wn + k[None, :],
-            mask=(n[:, None] < N) & (k[None, :] < K),
-            other=0.0,
-            eviction_policy="evict_first",
-        )
-
-    @triton.jit
-    def _first_weights(W, n, N, start, K, stride_wn, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        # With PDL the program's first block of weights, loaded before the wait for the kernel
-        # before (`triton_support`: no kernel writes weights), so that its blocks read while that
-        # kernel's last ones finish; without, none (each K step loads its own).
+    def _first_weights(W, n, N, K, stride_wn, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # With PDL one row's first block of weights w[n, :BLOCK_K], loaded before the wait for the
+        # kernel before (`triton_support`: no kernel writes them), so that they stream in while its
+        # last blocks finish; without, nothing (each K step loads its own).
         if PDL:
-            w = _weights(W, n, N, start, K, stride_wn, BLOCK_K)
+            k = tl.arange(0, BLOCK_K)
+            w = tl.load(
+                W + n[:, None] * stride_wn + k[None, :],
+                mask=(n[:, None] < N) & (k[None, :] < K),
+                other=0.0,
+                eviction_policy="evict_first",
+            )
         else:
             w = 0.0  # unused (an expression returning None does not compile in Triton 3.6)
         return w
 
     @triton.jit
     def _row_step(
-        acc, squares, X, G, w, first, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr
-    ):
+        acc, squares, X, W, G, n, N, first, K, stride_wn, w_first,
+        BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, PRELOADED: tl.constexpr,
+    ):  # fmt: skip
+        # One K step of `_row_product`: x (normed), then the weights (`w_first` where PRELOADED).
+        # They are read once: evict_first keeps them from pushing x and the next maps' inputs out
+        # of L2.
         k = first + tl.arange(0, BLOCK_K)
         x = _load_x(X, k, k < K, K, GATED).to(tl.float32)
         if NORM:
             squares += x * x
             x = x * tl.load(G + k, mask=k < K, other=0.0).to(tl.float32)
+        if PRELOADED:
+            w = w_first
+        else:
+            w = tl.load(
+                W + n[:, None] * stride_wn + k[None, :],
+                mask=(n[:, None] < N) & (k[None, :] < K),
+                other=0.0,
+                eviction_policy="evict_first",
+            )
         return acc + w.to(tl.float32) * x[None, :], squares
 
     @triton.jit
@@ -135,67 +142,56 @@ if triton is not None:
         PDL: tl.constexpr,
     ):  # fmt: skip
         # x · w[n] of one row x, [BLOCK_N] in fp32: multiplied and summed along K, in BLOCK_K steps
-        # (the first one's weights `w_first` with PDL). NORM: of rms_norm(x) · G instead, the sum
-        # of squares gathered from the same loads and 1/rms applied to the sums.
+        # (with PDL the first one's weights are `w_first`). NORM: of rms_norm(x) · G instead, the
+        # sum of squares gathered from the same loads and 1/rms applied to the sums.
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         squares = tl.zeros([BLOCK_K], tl.float32)
         start = 0
         if PDL:
-            acc, squares = _row_step(acc, squares, X, G, w_first, 0, K, BLOCK_K, GATED, NORM)
+            acc, squares = _row_step(
+                acc, squares, X, W, G, n, N, 0, K, stride_wn, w_first, BLOCK_K, GATED, NORM, True
+            )
             start = BLOCK_K
         for first in range(start, K, BLOCK_K):
-            w = _weights(W, n, N, first, K, stride_wn, BLOCK_K)
-            acc, squares = _row_step(acc, squares, X, G, w, first, K, BLOCK_K, GATED, NORM)
+            acc, squares = _row_step(
+                acc, squares, X, W, G, n, N, first, K, stride_wn, w_first, BLOCK_K, GATED, NORM, False
+            )
         y = tl.sum(acc, 1)
         if NORM:
             y = y * tl.rsqrt(tl.sum(squares, 0) / K + eps)
         return y
 
     @triton.jit
-    def _tile_step(
-        acc,
-        X,
-        w,
-        m,
-        M,
-        first,
-        K,
-        stride_xm,
-        BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
-        SWAP: tl.constexpr,
-    ):
-        k = first + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0
-        )
-        if SWAP:
-            acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
-        else:
-            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        return acc
-
-    @triton.jit
     def _tile_product(
-        X, W, n, M, N, start, K, stride_xm, stride_wn, w_first,
+        X, W, n, M, N, start, K, stride_xm, stride_wn,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        SWAP: tl.constexpr, PDL: tl.constexpr,
+        SWAP: tl.constexpr,
     ):  # fmt: skip
-        # x[m, start:K] · w[n, start:K] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`;
-        # the first step's weights `w_first` with PDL). x goes into the dot as loaded: computed on
-        # before it (SiLU·up, 2026-12-05) the maps ran 2× slower on an H200. SWAP: w · xᵀ,
-        # [BLOCK_N, ROWS], transposed once at the end.
+        # x[m, start:K] · w[n, start:K] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`). x
+        # goes into the dot as loaded: computed on before it (SiLU·up, 2026-12-05) the maps ran 2×
+        # slower on an H200. SWAP: w · xᵀ, [BLOCK_N, ROWS], transposed once at the end.
         m = tl.arange(0, ROWS)
         if SWAP:
             acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
         else:
             acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        if PDL:
-            acc = _tile_step(acc, X, w_first, m, M, start, K, stride_xm, BLOCK_K, PRECISION, SWAP)
-            start += BLOCK_K
         for first in range(start, K, BLOCK_K):
-            w = _weights(W, n, N, first, K, stride_wn, BLOCK_K)
-            acc = _tile_step(acc, X, w, m, M, first, K, stride_xm, BLOCK_K, PRECISION, SWAP)
+            k = first + tl.arange(0, BLOCK_K)
+            x = tl.load(
+                X + m[:, None] * stride_xm + k[None, :],
+                mask=(m[:, None] < M) & (k[None, :] < K),
+                other=0.0,
+            )
+            w = tl.load(
+                W + n[:, None] * stride_wn + k[None, :],
+                mask=(n[:, None] < N) & (k[None, :] < K),
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+            if SWAP:
+                acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         if SWAP:
             acc = tl.trans(acc)
         return acc
@@ -211,10 +207,8 @@ if triton is not None:
         # of rows): this program's share of K only, its fp32 sums into P [SPLIT, M, N] for
         # `_sum_splits` to add up.
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        share = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K  # whole K steps each
-        start = tl.program_id(1) * share
-        end = tl.minimum(K, start + share)
-        w_first = _first_weights(W, n, N, start, end, stride_wn, BLOCK_K, PDL)
+        tl.static_assert(ROWS == 1 or not PDL, "PDL launches one row's kernels only (launch_options)")
+        w_first = _first_weights(W, n, N, K, stride_wn, BLOCK_K, PDL)
         after_previous_kernel(PDL)
         if ROWS == 1:
             y = _row_product(X, W, G, n, N, K, stride_wn, eps, w_first, BLOCK_N, BLOCK_K, GATED, NORM, PDL)
@@ -223,9 +217,11 @@ if triton is not None:
             tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
         else:
             m = tl.arange(0, ROWS)
+            share = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K  # whole K steps each
+            start = tl.program_id(1) * share
             acc = _tile_product(
-                X, W, n, M, N, start, end, stride_xm, stride_wn, w_first,
-                ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL,
+                X, W, n, M, N, start, tl.minimum(K, start + share), stride_xm, stride_wn,
+                ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP,
             )  # fmt: skip
             inside = (m[:, None] < M) & (n[None, :] < N)
             if SPLIT > 1:
@@ -273,7 +269,8 @@ if triton is not None:
         lower = head * DIM + j
         n = tl.reshape(tl.join(lower, lower + HALF), [BLOCK_N])
         N = (HEADS + 2 * KV_HEADS) * DIM
-        w_first = _first_weights(W, n, N, 0, K, stride_wn, BLOCK_K, PDL)
+        tl.static_assert(ROWS == 1 or not PDL, "PDL launches one row's kernels only (launch_options)")
+        w_first = _first_weights(W, n, N, K, stride_wn, BLOCK_K, PDL)
         after_previous_kernel(PDL)
         if ROWS == 1:
             m = tl.arange(0, 1)[:, None]
@@ -282,9 +279,8 @@ if triton is not None:
         else:
             m = tl.arange(0, ROWS)[:, None]
             y = _tile_product(
-                X, W, n, M, N, 0, K, stride_xm, stride_wn, w_first,
-                ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL,
-            )  # fmt: skip
+                X, W, n, M, N, 0, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP
+            )
             a, b = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         there = m < M
         j = j[None, :]
@@ -348,6 +344,13 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return flat, 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
 
 
+def _launch_options(device: torch.device, tile: int, weight: torch.Tensor) -> dict:
+    """`launch_options` for a map of these weights, without PDL where they need a copy first: the
+    copy is a kernel that writes them, and with PDL the map reads its first weights before it waits
+    for the kernel before."""
+    return launch_options(device, tile if weight.stride(-1) == 1 else 0)
+
+
 def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit dots
 
@@ -382,6 +385,7 @@ def skinny_linear(
         raise ValueError(
             f"skinny_linear: x {tuple(x.shape)} for weight {tuple(weight.shape)} (gated={gated})"
         )
+    pdl = _launch_options(x.device, tile, weight)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
@@ -389,8 +393,6 @@ def skinny_linear(
     if r.stride(-1) != 1:
         r = r.contiguous()
     g = y if norm_weight is None else norm_weight.contiguous()
-
-    pdl = launch_options(x.device, tile)
 
     def launch(shape: dict) -> None:
         split = shape["SPLIT"]
@@ -461,11 +463,10 @@ def qkv_rope_cache(
     cos, sin = (t.reshape(-1, dim) for t in (cos, sin))
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
+    pdl = _launch_options(x.device, tile, weight)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     g = q if norm_weight is None else norm_weight.contiguous()
-
-    pdl = launch_options(x.device, tile)
 
     def launch(shape: dict) -> None:
         _qkv_rope_cache[(weight.shape[0] // shape["BLOCK_N"],)](

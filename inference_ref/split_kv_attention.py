@@ -78,7 +78,7 @@ if triton is not None:
         PDL: tl.constexpr,
     ):  # fmt: skip
         # One (row, K/V head, share of the keys). Tile row r: new token r // GROUP, query head
-        # kv_head · GROUP + r % GROUP. PDL: the next map's weights stream into L2 meanwhile.
+        # kv_head · GROUP + r % GROUP. PDL: q and the new cache entries are read after the wait.
         after_previous_kernel(PDL)
         pair, split = tl.program_id(0), tl.program_id(1)
         b, kv_head = (pair // KV_HEADS).to(tl.int64), pair % KV_HEADS  # b · stride: past 2³¹ at B·L > 2M

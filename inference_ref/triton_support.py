@@ -35,10 +35,16 @@ def runs_on(device_type: str) -> bool:
 def use_pdl(on: bool = True) -> None:
     """Whether one row's kernels launch with PDL where the GPU has it (`launch_options`, the module
     docstring). Off by default until an A/B on one GPU shows it pays: on an H100 PDL alone made a
-    decode step at batch 1 0.8 % faster and verifies 1-2 % slower; with the first weights loaded
+    decode step at batch 1 0.8 % faster and verifies up to 2 % slower; with the first weights loaded
     before the wait the decode step took 5.45 ms on another H100, inside the 5.45-5.67 ms that
     H100s gave without it (docs/benchmarks.md). `bench_verify_cost --pdl` turns it on."""
     _pdl["on"] = on
+
+
+def _index(device) -> int:
+    import torch
+
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 @functools.cache
@@ -51,11 +57,9 @@ def _has_pdl(device_index: int) -> bool:
 def launch_options(device, rows: int) -> dict:
     """The PDL constexpr of a kernel on `device` over `rows` rows of x (query tokens for the
     attention), and the launch option that goes with it: with `use_pdl`, for one row (a decode step
-    at batch 1; the tiles of 16-64 rows ran 1-3 % slower with PDL on an H100), on Hopper and later.
+    at batch 1; the tiles of 16-64 rows ran up to 3 % slower with PDL on an H100), on Hopper and later.
     Never under the interpreter, which has no grid dependency control."""
-    pdl = (
-        rows == 1 and device.type == "cuda" and not INTERPRETED and _pdl["on"] and _has_pdl(device.index or 0)
-    )
+    pdl = rows == 1 and device.type == "cuda" and not INTERPRETED and _pdl["on"] and _has_pdl(_index(device))
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
 
 

@@ -332,39 +332,39 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
-    """Decode and 3-token verify steps through both kernels replayed from CUDA graphs equal the
-    same steps run eagerly, three in a row, for three rows and for one, with PDL and without. With
-    it one row's kernels launch with programmatic dependent launch on Hopper (`triton_support`):
-    each waits for the kernel before inside, which a graph keeps as an edge of its own; one that
-    read its input before the wait would read the last replay's."""
+    """Decode and 3-token verify steps through both kernels replayed from CUDA graphs captured with
+    PDL and without equal the same steps run eagerly without it, three in a row, for three rows
+    and for one. With it one row's kernels launch with programmatic dependent launch on Hopper
+    (`triton_support`): each waits for the kernel before inside, which a graph keeps as an edge
+    of its own; one that read its input before the wait would read the last replay's."""
     from inference_ref.decode_graph import DecodeStep
-    from inference_ref.triton_support import use_pdl
+    from inference_ref.triton_support import launch_options, use_pdl
 
     model = random_llama(tiny_llama(), device, dtype, seed=0)
     torch.manual_seed(2)
     use_cached_kernel("split")
     use_linear_kernel("skinny")
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
     try:
         for pdl, lengths, new in itertools.product((False, True), ([40, 25, 33], [30]), (1, 3)):
-            use_pdl(pdl)
+            use_pdl(False)
             rows = len(lengths)
             cache = model.new_cache(rows, 64)
             model.forward_cached(torch.randint(0, model.cfg.vocab_size, (rows, 40), device=device), cache)
             cache.lengths += torch.tensor(lengths, device=device)
-            eager, graphed = (
-                DecodeStep(model, cache, new, graph=False),
-                DecodeStep(model, cache, new, graph=True),
+            eager = DecodeStep(model, cache, new, graph=False)
+            use_pdl(pdl)  # the graph keeps the launches it captures
+            graphed = DecodeStep(model, cache, new, graph=True)
+            assert launch_options(cache.lengths.device, rows * new)["PDL"] == (
+                pdl and hopper and rows * new == 1
             )
+            use_pdl(False)
             for _ in range(3):
                 ids = torch.randint(0, model.cfg.vocab_size, (rows, new), device=device)
                 want = eager(ids).clone()
                 got = graphed(ids)  # the same cache entries written again
-                assert relative_error(got, want) < 10 * tolerance(dtype), (
-                    rows,
-                    new,
-                    relative_error(got, want),
-                    pdl,
-                )
+                error = relative_error(got, want)
+                assert error < 10 * tolerance(dtype), (pdl, rows, new, error)
                 cache.lengths += new
     finally:
         use_cached_kernel("auto")
@@ -412,13 +412,17 @@ def compile_for_hopper(kernel: str) -> list[str]:
     tile = {"PRECISION": "tf32"}
     done = []
 
+    def launched(rows: int) -> tuple[bool, ...]:  # PDL as `triton_support.launch_options` may launch them
+        return (False, True) if rows == 1 else (False,)
+
     if kernel == "skinny":
         pointers, scalars = "X W Y R G P", "M N K stride_xm stride_wn stride_ym stride_rm eps"
         for rows, n, k, warps, stages, swap, split in shapes:
             for gated, residual, norm in ((False, False, rows == 1), (rows == 1, True, False)):
-                flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap, SPLIT=split)
-                constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags, PDL=rows == 1)
-                done.append(compiled(skinny._skinny_gemm, pointers, scalars, constants, warps, stages))
+                for pdl in launched(rows):
+                    flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap, SPLIT=split, PDL=pdl)
+                    constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags)
+                    done.append(compiled(skinny._skinny_gemm, pointers, scalars, constants, warps, stages))
         for split, residual in ((2, False), (4, True)):
             constants = dict(SPLIT=split, RESIDUAL=residual, BLOCK=skinny.SUM_BLOCK, PDL=False)
             done.append(compiled(skinny._sum_splits, "P Y R", "M N stride_ym stride_rm", constants))
@@ -432,28 +436,21 @@ def compile_for_hopper(kernel: str) -> list[str]:
         for rows, n, k, warps, stages, swap, split in shapes:
             if split > 1:  # not a shape it takes (`skinny_linear._rope_candidates`)
                 continue
-            for norm in {rows == 1, False}:
-                constants = dict(**heads, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, NORM=norm, SWAP=swap)
-                constants["PDL"] = rows == 1  # as `triton_support.launch_options` launches them
+            for norm, pdl in itertools.product({rows == 1, False}, launched(rows)):
+                constants = dict(
+                    **heads, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, NORM=norm, SWAP=swap, PDL=pdl
+                )
                 done.append(compiled(skinny._qkv_rope_cache, pointers, scalars, constants, warps, stages))
     else:
         heads = dict(KV_HEADS=8, GROUP=4, SPLITS=16, DIM=128)
         scalars = "stride_lb stride_qb stride_qs stride_qh stride_kb stride_kl stride_kh stride_vb stride_vl stride_vh"
-        for rows in (16, 64):
-            constants = dict(
-                **heads, ROWS=rows, KEYS=split.BLOCK_KEYS, **tile, PDL=rows == 16
-            )  # with and without
-            done.append(
-                compiled(
-                    split._split_kv_attention_partial,
-                    "Q K V Lengths Out Lse",
-                    scalars + " new scale_log2",
-                    constants,
-                )
-            )
-        constants = dict(**heads, SPLITS_POW2=16, ROWS=16, PDL=True)
-        merge = split._split_kv_attention_merge
-        done.append(compiled(merge, "Part Lse Out", "stride_ob stride_os stride_oh", constants))
+        partial, merge = split._split_kv_attention_partial, split._split_kv_attention_merge
+        for rows, pdl in ((16, False), (16, True), (64, False)):  # 16: one token's group of 4 heads
+            constants = dict(**heads, ROWS=rows, KEYS=split.BLOCK_KEYS, **tile, PDL=pdl)
+            done.append(compiled(partial, "Q K V Lengths Out Lse", scalars + " new scale_log2", constants))
+        for pdl in (False, True):
+            constants = dict(**heads, SPLITS_POW2=16, ROWS=16, PDL=pdl)
+            done.append(compiled(merge, "Part Lse Out", "stride_ob stride_os stride_oh", constants))
     return done
 
 

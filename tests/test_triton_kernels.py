@@ -96,10 +96,11 @@ def test_kernels_compile_for_an_h100_or_h200(kernel):
 
 def test_pdl_is_opt_in_and_launches_one_rows_kernels_on_hopper_only(monkeypatch):
     """`use_pdl` turns programmatic dependent launch on for kernels over one row, on a GPU that has
-    it; never for tiles, a CPU, or the interpreter (whose kernels would not compile with it)."""
+    it; never for tiles, a CPU, the interpreter (whose kernels would not compile with it), or a map
+    whose weights are copied first."""
     import torch
 
-    from inference_ref import triton_support
+    from inference_ref import skinny_linear, triton_support
 
     monkeypatch.setattr(triton_support, "INTERPRETED", False)
     monkeypatch.setattr(triton_support, "_has_pdl", lambda index: index == 0)  # GPU 0 a Hopper, 1 older
@@ -109,7 +110,12 @@ def test_pdl_is_opt_in_and_launches_one_rows_kernels_on_hopper_only(monkeypatch)
     triton_support.use_pdl(True)
     try:
         assert triton_support.launch_options(hopper, 1) == on
-        assert triton_support.launch_options(torch.device("cuda"), 1) == on  # the current GPU: 0
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        assert triton_support.launch_options(torch.device("cuda"), 1) == on  # the current GPU
+        weight = torch.zeros(8, 16)
+        assert skinny_linear._launch_options(hopper, 1, weight) == on
+        # a copy of the weights is a kernel that writes them just before the map reads them early
+        assert skinny_linear._launch_options(hopper, 1, weight.t()) == {"PDL": False}
         for device, rows in ((hopper, 16), (hopper, 64), (older, 1), (cpu, 1)):
             assert triton_support.launch_options(device, rows) == {"PDL": False}, (device, rows)
         monkeypatch.setattr(triton_support, "INTERPRETED", True)
