@@ -95,18 +95,23 @@ if triton is not None:
         return tl.load(X + at, mask=mask, other=0.0)
 
     @triton.jit
+    def _weight_block(W, n, k, N, K, stride_wn):
+        # w[n, k] (zeros past N and K). The weights are read once: evict_first keeps them from
+        # pushing x and the next maps' inputs out of L2.
+        return tl.load(
+            W + n[:, None] * stride_wn + k[None, :],
+            mask=(n[:, None] < N) & (k[None, :] < K),
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+
+    @triton.jit
     def _first_weights(W, n, N, K, stride_wn, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # With PDL one row's first block of weights w[n, :BLOCK_K], loaded before the wait for the
         # kernel before (`triton_support`: no kernel writes them), so that they stream in while its
         # last blocks finish; without, nothing (each K step loads its own).
         if PDL:
-            k = tl.arange(0, BLOCK_K)
-            w = tl.load(
-                W + n[:, None] * stride_wn + k[None, :],
-                mask=(n[:, None] < N) & (k[None, :] < K),
-                other=0.0,
-                eviction_policy="evict_first",
-            )
+            w = _weight_block(W, n, tl.arange(0, BLOCK_K), N, K, stride_wn)
         else:
             w = 0.0  # unused (an expression returning None does not compile in Triton 3.6)
         return w
@@ -117,8 +122,6 @@ if triton is not None:
         BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, PRELOADED: tl.constexpr,
     ):  # fmt: skip
         # One K step of `_row_product`: x (normed), then the weights (`w_first` where PRELOADED).
-        # They are read once: evict_first keeps them from pushing x and the next maps' inputs out
-        # of L2.
         k = first + tl.arange(0, BLOCK_K)
         x = _load_x(X, k, k < K, K, GATED).to(tl.float32)
         if NORM:
@@ -127,12 +130,7 @@ if triton is not None:
         if PRELOADED:
             w = w_first
         else:
-            w = tl.load(
-                W + n[:, None] * stride_wn + k[None, :],
-                mask=(n[:, None] < N) & (k[None, :] < K),
-                other=0.0,
-                eviction_policy="evict_first",
-            )
+            w = _weight_block(W, n, k, N, K, stride_wn)
         return acc + w.to(tl.float32) * x[None, :], squares
 
     @triton.jit
@@ -182,12 +180,7 @@ if triton is not None:
                 mask=(m[:, None] < M) & (k[None, :] < K),
                 other=0.0,
             )
-            w = tl.load(
-                W + n[:, None] * stride_wn + k[None, :],
-                mask=(n[:, None] < N) & (k[None, :] < K),
-                other=0.0,
-                eviction_policy="evict_first",
-            )
+            w = _weight_block(W, n, k, N, K, stride_wn)
             if SWAP:
                 acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
             else:
