@@ -341,7 +341,7 @@ def _launch_options(device: torch.device, tile: int, weight: torch.Tensor) -> di
     """`launch_options` for a map of these weights, without PDL where they need a copy first: the
     copy is a kernel that writes them, and with PDL the map reads its first weights before it waits
     for the kernel before."""
-    return launch_options(device, tile if weight.stride(-1) == 1 else 0)
+    return launch_options(device, tile) if weight.stride(-1) == 1 else {"PDL": False}
 
 
 def _precision(x: torch.Tensor) -> str:

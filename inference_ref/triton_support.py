@@ -2,14 +2,14 @@
 CUDA, and on a CPU under Triton's interpreter (`TRITON_INTERPRET=1`, which Triton reads when a
 kernel is defined: the tests set it in a child process). Without Triton they never run.
 
-Also how they may follow one another on Hopper and later GPUs (`use_pdl`: off by default until
-measured to pay): programmatic dependent launch (PDL). A
-decode step is a chain of short memory-bound kernels (a 50 MB map reads in about 10 µs on an
-H200), and each one's last thread blocks finish while the SMs they leave idle. Launched with PDL, a
-kernel's blocks start once every block of the kernel before has started and waited for its own
-predecessor (`gdc_launch_dependents` after `gdc_wait`); they load what no kernel writes (a map's
-first block of weights) and only then wait for the kernel before to finish (`gdc_wait`), whose
-writes they then see. A CUDA graph keeps the dependency as an edge of its own."""
+Also how they may follow one another on Hopper and later GPUs: programmatic dependent launch
+(PDL; `use_pdl`, off by default until measured to pay). A decode step is a chain of short
+memory-bound kernels (a 50 MB map reads in about 10 µs on an H200), and each one's last thread
+blocks finish while the SMs they leave idle. Launched with PDL, a kernel's blocks start once every
+block of the kernel before has started and waited for its own predecessor (`gdc_launch_dependents`
+after `gdc_wait`); they load what no kernel writes (a map's first block of weights) and only then
+wait for the kernel before to finish (`gdc_wait`), whose writes they then see. A CUDA graph keeps
+the dependency as an edge of its own."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ except ImportError:  # a build without Triton
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-_pdl = {"on": False}
+_pdl = False
 
 
 def runs_on(device_type: str) -> bool:
@@ -38,7 +38,8 @@ def use_pdl(on: bool = True) -> None:
     decode step at batch 1 0.8 % faster and verifies up to 2 % slower; with the first weights loaded
     before the wait the decode step took 5.45 ms on another H100, inside the 5.45-5.67 ms that
     H100s gave without it (docs/benchmarks.md). `bench_verify_cost --pdl` turns it on."""
-    _pdl["on"] = on
+    global _pdl
+    _pdl = on
 
 
 def _index(device) -> int:
@@ -59,7 +60,7 @@ def launch_options(device, rows: int) -> dict:
     attention), and the launch option that goes with it: with `use_pdl`, for one row (a decode step
     at batch 1; the tiles of 16-64 rows ran up to 3 % slower with PDL on an H100), on Hopper and later.
     Never under the interpreter, which has no grid dependency control."""
-    pdl = rows == 1 and device.type == "cuda" and not INTERPRETED and _pdl["on"] and _has_pdl(_index(device))
+    pdl = rows == 1 and device.type == "cuda" and not INTERPRETED and _pdl and _has_pdl(_index(device))
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
 
 
