@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import interpreter_child
 import pytest
 import torch
 
@@ -16,6 +17,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multigpu" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs several CUDA GPUs"))
+
+
+def pytest_collection_finish(session):
+    """The Triton interpreter's checks start now, in a child beside the suite (interpreter_child)."""
+    if specs := interpreter_child.specs_of(session.items):
+        session.config.stash[interpreter_child.CHILD] = interpreter_child.start(specs)
+
+
+def pytest_unconfigure(config):
+    if child := config.stash.get(interpreter_child.CHILD, None):
+        interpreter_child.stop(child)
 
 
 @pytest.fixture(scope="session")

@@ -1,48 +1,25 @@
 """The Triton kernels (split-key attention, the skinny linear map) on a CPU under Triton's
 interpreter, against PyTorch's kernels: in a child process, since Triton reads TRITON_INTERPRET
 when the kernels are defined (`tests/kernel_checks.py`; bf16 on CUDA: test_gpu.py). One child runs
-every selected check in turn, so that its imports (about 5 s on 2 cores) are paid once; each test
-reports its own check's result."""
+every selected check in turn, so that its imports (about 5 s on 2 cores) are paid once, and starts
+when the tests are collected, so that it runs beside the rest of the suite (`interpreter_child.py`);
+each test reports its own check's result."""
 
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
+import interpreter_child
 import pytest
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def interpreted(request) -> dict[str, str]:
-    """spec → "" where the check passed, else its output (`kernel_checks.run_each`), for the checks
-    of the tests selected in this module (their `spec` parameter)."""
-    specs = [
-        spec for item in request.session.items if item.module is request.module and (spec := _spec(item))
-    ]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "kernel_checks.py"), "--each", *specs],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    results = {spec: run.stdout + run.stderr[-3000:] for spec in specs}  # no line: the child died first
-    results |= dict.fromkeys(re.findall(r"^OK (.+)$", run.stdout, re.M), "")
-    for spec, trace in re.findall(r"^FAILED ([^\n]+)\n(.*?)^END \1$", run.stdout, re.M | re.S):
-        results[spec] = trace
-    return results
-
-
-def _spec(item: pytest.Item) -> str | None:
-    callspec = getattr(item, "callspec", None)
-    return callspec.params.get("spec") if callspec else None
+    """spec → "" where the check passed, else its output, for the checks of the tests selected in
+    this module: the child conftest.py started when the tests were collected."""
+    return interpreter_child.results(request.config.stash[interpreter_child.CHILD])
 
 
 def checked(interpreted: dict[str, str], spec: str) -> None:
