@@ -1,5 +1,5 @@
 """The Triton interpreter's checks (`kernel_checks.py`) in one child process, started as soon as the
-session's tests are collected (conftest.py) so that its work, about 1.5 minutes of one core's Python
+session's tests are collected (conftest.py) so that its work, about 1.8 minutes of one core's Python
 on 2 cores, runs beside the rest of the suite instead of inside test_triton_kernels.py's turn.
 
 The child runs with TRITON_INTERPRET=1, which Triton reads when the kernels are defined (hence a
