@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
@@ -22,6 +21,7 @@ from mtp_train.regenerate import regenerate
 from mtp_train.run import Target
 from mtp_train.store import Store
 from mtp_train.target_files import write_random_target
+from tiny import recipe
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [
@@ -56,25 +56,23 @@ def chatty_target(smollm2, tmp_path_factory):
 def config(target: Path, tmp_path: Path, *extra: str):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = compose(
-            "config",
-            overrides=[
-                "model=tiny_random",
-                f"model.target={target}",
-                "model.dtype=float32",
-                f"run_dir={tmp_path / 'run'}",
-                f"regenerate.prompts=[{prompts}]",
-                "regenerate.max_new_tokens=8",
-                "regenerate.max_prompt_tokens=96",
-                "regenerate.batch_size=4",
-                "regenerate.capture=true",
-                "data.train_files=[${regenerate.output}]",
-                "data.max_seq_len=60",  # some conversations are truncated
-                "precompute.shard_tokens=128",  # several shards
-                *extra,
-            ],
-        )
+    cfg = recipe(
+        [
+            "model=tiny_random",
+            f"model.target={target}",
+            "model.dtype=float32",
+            f"run_dir={tmp_path / 'run'}",
+            f"regenerate.prompts=[{prompts}]",
+            "regenerate.max_new_tokens=8",
+            "regenerate.max_prompt_tokens=96",
+            "regenerate.batch_size=4",
+            "regenerate.capture=true",
+            "data.train_files=[${regenerate.output}]",
+            "data.max_seq_len=60",  # some conversations are truncated
+            "precompute.shard_tokens=128",  # several shards
+            *extra,
+        ]
+    )
     OmegaConf.resolve(cfg)
     return cfg
 

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from mtp_train.config import checked
+from tiny import recipe
 
 REPO = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "transformers", "deepspeed", "accelerate")
@@ -59,6 +59,5 @@ def test_the_help_lists_exactly_the_model_recipes():
 
 @pytest.mark.parametrize("option", model_options())
 def test_every_listed_model_option_composes(option, tiny_target):
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = compose("config", overrides=[f"model={option}", f"model.target={tiny_target}"])
+    cfg = recipe([f"model={option}", f"model.target={tiny_target}"])
     assert checked(cfg).model.name == option

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 import mtp_train.export as ex
@@ -35,7 +34,14 @@ from mtp_train.serving.layouts import deepseek_is_moe, deepseek_mtp_table
 from mtp_train.target_files import target_identity, write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation
-from tiny import assert_chains_match_training, assert_serves_as_trained, frozen_of, randomized, rel_err
+from tiny import (
+    assert_chains_match_training,
+    assert_serves_as_trained,
+    frozen_of,
+    randomized,
+    recipe,
+    rel_err,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ["rmsnorm-restored", "eagle1"]
@@ -197,8 +203,7 @@ def test_pipeline_on_a_tiny_deepseek_v2(tiny_deepseek, tmp_path):
         "export.formats=[native,deepseek_mtp]",
         "export.dtype=float32",
     ]
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = compose("config", overrides=overrides)
+    cfg = recipe(overrides)
     run_precompute(cfg)
     train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
@@ -301,8 +306,7 @@ def test_moe_head_exports_to_deepseek_mtp_as_an_moe_layer(tiny_deepseek, tmp_pat
         "export.formats=[native,deepseek_mtp]",
         "export.dtype=float32",
     ]
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        written = export(compose("config", overrides=overrides))
+    written = export(recipe(overrides))
     assert json.loads((written["native"] / "config.json").read_text())["mlp"] == "moe"
     native = load_file(written["native"] / "head.safetensors")
     tensors = load_file(written["deepseek_mtp"] / "model.safetensors")
@@ -340,7 +344,6 @@ def test_the_trainer_builds_the_configured_mlp(tiny_deepseek):
     from mtp_train.train import build_head
 
     overrides = ["model=tiny_deepseek_v2", f"model.target={tiny_deepseek}", "model.head_mlp=moe"]
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = compose("config", overrides=overrides)
+    cfg = recipe(overrides)
     head = build_head(cfg.model, Target.resolve(str(tiny_deepseek)), torch.float32)
     assert head.spec.mlp == "moe" and "layer.mlp.experts.gate_up_proj" in dict(head.named_parameters())

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
 from inference_ref.causal_lm import cu_seqlens_of
@@ -27,7 +26,7 @@ from mtp_train.serving.layouts import to_deepseek_mtp
 from mtp_train.target_files import write_random_target
 from mtp_train.train import build_head, train
 from mtp_train.validate import run_validation
-from tiny import assert_tau_consistent, rel_err
+from tiny import assert_tau_consistent, recipe, rel_err
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = DeepseekV3Config(vocab_size=256, **TARGET_KINDS["deepseek_v3"].tiny)
@@ -135,8 +134,7 @@ def test_a_nextn_head_starts_from_the_shipped_mtp_layer_trains_and_exports(smoll
         "export.formats=[native,deepseek_mtp]",
         "export.dtype=float32",
     ]
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        run_cfg = compose("config", overrides=overrides)
+    run_cfg = recipe(overrides)
     started = build_head(run_cfg.model, Target.resolve(str(target)), torch.float32)
     assert all(
         torch.equal(a, b) for a, b in zip(started.state_dict().values(), shipped.state_dict().values())

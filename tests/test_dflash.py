@@ -35,7 +35,7 @@ from inference_ref.tree import TreeShape
 from mtp_train.batching import collate
 from mtp_train.heads.dflash import DFlashHead
 from mtp_train.losses import DraftObjective, LossWeights
-from tiny import frozen_of, randomized, rel_err
+from tiny import frozen_of, randomized, recipe, rel_err
 
 BLOCK, LAYERS = 4, 2
 
@@ -217,13 +217,6 @@ def pipeline_overrides(target: Path, run: Path, *extra: str) -> list[str]:
     ]
 
 
-def config(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        return compose("config", overrides=overrides)
-
-
 @pytest.fixture(scope="module")
 def pipeline(smollm2, tmp_path_factory):
     """A 4-layer random Llama: precompute with DFlash's layers, train, validate, export."""
@@ -237,7 +230,7 @@ def pipeline(smollm2, tmp_path_factory):
         tmp_path_factory.mktemp("target"), smollm2, seed=1, num_hidden_layers=4, tie_word_embeddings=False
     )
     run = tmp_path_factory.mktemp("dflash_run")
-    cfg = config(pipeline_overrides(target, run))
+    cfg = recipe(pipeline_overrides(target, run))
     store = run_precompute(cfg)
     train(cfg)
     return {
@@ -290,9 +283,9 @@ def test_dflash_refusals_name_the_fix(pipeline, tmp_path):
     target = pipeline["target"]
     store = f"precompute.store_dir={pipeline['store']}"
     with pytest.raises(ValueError, match=r"precompute.aux=true model.aux_layers=\[2\]"):
-        train(config(pipeline_overrides(target, tmp_path, store, "model.aux_layers=[2]")))
+        train(recipe(pipeline_overrides(target, tmp_path, store, "model.aux_layers=[2]")))
     with pytest.raises(LayoutUnsupported, match="drafts a block"):
-        export(config(pipeline_overrides(target, pipeline["cfg"].run_dir, "export.formats=[eagle3]")))
+        export(recipe(pipeline_overrides(target, pipeline["cfg"].run_dir, "export.formats=[eagle3]")))
     with pytest.raises(ValueError, match="a block of ≥ 2 tokens"):
         HeadSpec("dflash", small_target().cfg, aux_layers=(1,), layers=1, block_size=1)
     with pytest.raises(ValueError, match="blocks are dflash's"):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from inference_ref.draft import load_draft
@@ -23,17 +22,12 @@ from mtp_train.serving.layouts import LayoutUnsupported
 from mtp_train.store import Store
 from mtp_train.train import train
 from mtp_train.validate import run_validation, summary
-from tiny import assert_serves_as_trained, assert_tau_consistent
+from tiny import assert_serves_as_trained, assert_tau_consistent, recipe
 
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO / "tests" / "data" / "gsm8k_64.jsonl"
 MT_BENCH = REPO / "data" / "mt_bench.jsonl"
 VOCAB = 1024
-
-
-def config(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        return compose("config", overrides=overrides)
 
 
 def overrides(target: Path, run: Path, variant: str, *extra: str) -> list[str]:
@@ -72,7 +66,7 @@ def overrides(target: Path, run: Path, variant: str, *extra: str) -> list[str]:
 @pytest.fixture(scope="module", params=["rmsnorm-restored", "eagle1"])
 def pipeline(request, tiny_target, tmp_path_factory):
     run = tmp_path_factory.mktemp(f"vocab_{request.param}")
-    cfg = config(overrides(tiny_target, run, request.param))
+    cfg = recipe(overrides(tiny_target, run, request.param))
     store = run_precompute(cfg)
     train(cfg)
     return {"cfg": cfg, "store": store, "report": run_validation(cfg), "exported": export(cfg)}

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from inference_ref.causal_lm import cu_seqlens_of
@@ -40,6 +39,7 @@ from tiny import (
     assert_tau_consistent,
     frozen_of,
     randomized,
+    recipe,
     tiny_deepseek,
     tiny_llama,
 )
@@ -49,11 +49,6 @@ GSM8K = REPO / "tests" / "data" / "gsm8k_64.jsonl"
 MT_BENCH = REPO / "data" / "mt_bench.jsonl"
 AUX = [1, 2, 3]  # on a 4-layer target (the default 2, L/2, L − 3 needs L ≥ 6)
 DRAFT_VOCAB = 2048
-
-
-def config(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        return compose("config", overrides=overrides)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +92,7 @@ def eagle3_overrides(target: Path, run: Path, *extra: str) -> list[str]:
 def pipeline(deep_target, tmp_path_factory):
     """Precompute with aux states, train an eagle3 head (unroll 2, draft vocabulary), validate, export."""
     run = tmp_path_factory.mktemp("eagle3_run")
-    cfg = config(eagle3_overrides(deep_target, run))
+    cfg = recipe(eagle3_overrides(deep_target, run))
     store = run_precompute(cfg)
     train(cfg)
     report = run_validation(cfg)
@@ -252,7 +247,7 @@ def test_eagle3_is_refused_where_it_cannot_be_built_or_exported(deep_target, tmp
     assert default_aux_layers(32) == (2, 16, 29)  # Llama-3.1-8B: vLLM's and SGLang's default
     # A store made without the aux states: the eagle3 head is refused with the override that adds them.
     run = tmp_path / "run"
-    cfg = config(eagle3_overrides(deep_target, run, "precompute.aux=false", "train.steps=1"))
+    cfg = recipe(eagle3_overrides(deep_target, run, "precompute.aux=false", "train.steps=1"))
     run_precompute(cfg)
     with pytest.raises(ValueError, match=r"precompute.aux=true model.aux_layers=\[1, 2, 3\]"):
         train(cfg)
@@ -323,11 +318,11 @@ def test_speculators_loads_our_export_and_computes_our_logits(pipeline, deep_tar
 def test_an_eagle3_run_resumes_from_its_checkpoint(deep_target, tmp_path):
     """The checkpoint keeps the head's persistent buffers (d2t), and resuming checks the draft
     vocabulary the store gives against the checkpoint's."""
-    cfg = config(eagle3_overrides(deep_target, tmp_path, "train.steps=4", "train.save_every=2"))
+    cfg = recipe(eagle3_overrides(deep_target, tmp_path, "train.steps=4", "train.save_every=2"))
     run_precompute(cfg)
     train(cfg)
     assert (tmp_path / "train" / "ckpt-0000004").exists()
-    train(config(eagle3_overrides(deep_target, tmp_path, "train.steps=6", "train.save_every=2")))
+    train(recipe(eagle3_overrides(deep_target, tmp_path, "train.steps=6", "train.save_every=2")))
     rows = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
 
@@ -339,7 +334,7 @@ def test_eagle3_1_trains_serves_as_trained_and_exports_for_vllm(pipeline, tmp_pa
     serves it in tests/test_vllm.py)."""
     from mtp_train.validate import run_validation
 
-    cfg = config(
+    cfg = recipe(
         eagle3_overrides(
             pipeline["cfg"].model.target,
             tmp_path,
@@ -361,7 +356,7 @@ def test_eagle3_1_trains_serves_as_trained_and_exports_for_vllm(pipeline, tmp_pa
     held = load_file(str(exported["vllm"] / "model.safetensors"))
     assert all(torch.equal(held[f"fc_norm.{i}.weight"], norms[i]) for i in range(len(AUX)))
     with pytest.raises(ValueError, match="layout eagle3 is not listed for eagle3.1 heads"):
-        export(config(eagle3_overrides(pipeline["cfg"].model.target, tmp_path, "model.variant=eagle3.1")))
+        export(recipe(eagle3_overrides(pipeline["cfg"].model.target, tmp_path, "model.variant=eagle3.1")))
 
 
 def test_a_stacked_eagle3_1_head_trains_serves_as_trained_and_round_trips(pipeline, tmp_path):
@@ -370,7 +365,7 @@ def test_a_stacked_eagle3_1_head_trains_serves_as_trained_and_round_trips(pipeli
     (EAGLE-3) layout holds `layers.1.*` with the unused hidden_norm vLLM loads strictly (ones), says
     num_hidden_layers 2, and reads back as the native head (vLLM itself serves such a head in
     tests/test_vllm.py). The kinds that cannot stack, and the speculators layout, refuse it."""
-    cfg = config(
+    cfg = recipe(
         eagle3_overrides(
             pipeline["cfg"].model.target,
             tmp_path,

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -31,6 +30,7 @@ from mtp_train.serving.layouts import (
     eagle1_export,
 )
 from mtp_train.target_files import target_identity, write_random_target
+from tiny import recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -401,8 +401,7 @@ def cli_args(target, ckpt, tmp_path) -> list[str]:
 def test_recipe_composes_into_an_export(tiny_target, identity, tmp_path):
     # The command line's config, composed in-process (the subprocess run below is marked slow).
     ckpt = ex.save_head(trained_head(tiny_target, "eagle1"), tmp_path / "head", identity, {})
-    with initialize_config_dir(str(REPO / "recipes"), version_base=None):
-        cfg = compose("config", overrides=cli_args(tiny_target, ckpt, tmp_path))
+    cfg = recipe(cli_args(tiny_target, ckpt, tmp_path))
     written = ex.export(cfg)
     assert set(written) == {"native", "eagle1"}
     assert (tmp_path / "export" / "eagle1" / "model.safetensors").exists()

@@ -9,21 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from mtp_train import export as ex
 from mtp_train.config import ConfigError, checked
 from mtp_train.precompute import run_precompute
 from mtp_train.store import Store, read_shard, repair
 from mtp_train.train import NonFiniteLoss, train
+from tiny import recipe
 
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO / "tests" / "data" / "gsm8k_64.jsonl"
-
-
-def config(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        return compose("config", overrides=overrides)
 
 
 @pytest.mark.parametrize(
@@ -48,14 +43,14 @@ def config(overrides: list[str]):
     ],
 )
 def test_nonsense_config_values_are_refused_naming_the_field(override, field):
-    cfg = config(["model.target=unused", override])
+    cfg = recipe(["model.target=unused", override])
     with pytest.raises(ConfigError) as error:
         checked(cfg)
     assert field in str(error.value) and "\n" not in str(error.value)
 
 
 def test_the_default_config_passes(tiny_target):
-    checked(config([f"model.target={tiny_target}"]))
+    checked(recipe([f"model.target={tiny_target}"]))
 
 
 def tiny(target: Path, run: Path, *extra: str) -> list[str]:
@@ -73,7 +68,7 @@ def tiny(target: Path, run: Path, *extra: str) -> list[str]:
 
 
 def test_a_non_finite_loss_stops_training_before_it_is_applied(tiny_target, tmp_path):
-    cfg = config(tiny(tiny_target, tmp_path, "train.lr=1e20", "train.steps=6", "train.save_every=1"))
+    cfg = recipe(tiny(tiny_target, tmp_path, "train.lr=1e20", "train.steps=6", "train.save_every=1"))
     run_precompute(cfg)
     with pytest.raises(NonFiniteLoss, match="train.lr"):
         train(cfg)
@@ -102,7 +97,7 @@ def test_export_refuses_a_non_finite_head(tiny_target, tmp_path):
 
 
 def test_a_damaged_store_stops_training_until_repaired(tiny_target, tmp_path):
-    cfg = config(
+    cfg = recipe(
         tiny(tiny_target, tmp_path, "train.steps=2", "train.save_every=0", "precompute.shard_tokens=1024")
     )
     store_dir = run_precompute(cfg)
@@ -126,7 +121,7 @@ def test_a_damaged_store_stops_training_until_repaired(tiny_target, tmp_path):
 def test_a_shard_cut_short_is_refused_in_one_line_before_training_reads_it(tiny_target, tmp_path):
     """Training opens the shards before it verifies them: a file cut short (a disk that filled, a
     copy that stopped) must still be named, with the repair, not fail reshaping a view."""
-    cfg = config(
+    cfg = recipe(
         tiny(tiny_target, tmp_path, "train.steps=2", "train.save_every=0", "precompute.shard_tokens=1024")
     )
     store_dir = run_precompute(cfg)
@@ -145,7 +140,7 @@ def test_a_shard_cut_short_is_refused_in_one_line_before_training_reads_it(tiny_
 
 def test_resume_falls_back_past_damaged_checkpoints_and_refuses_another_plan(tiny_target, tmp_path, capsys):
     extra = ("train.save_every=2", "data.max_samples=16")
-    cfg = config(tiny(tiny_target, tmp_path, "train.steps=4", *extra))
+    cfg = recipe(tiny(tiny_target, tmp_path, "train.steps=4", *extra))
     run_precompute(cfg)
     train(cfg)
     out = tmp_path / "train"
@@ -154,7 +149,7 @@ def test_resume_falls_back_past_damaged_checkpoints_and_refuses_another_plan(tin
     data = bytearray(weights.read_bytes())
     data[-8:] = bytes(8)  # bit flips in the latest checkpoint's weights
     weights.write_bytes(bytes(data))
-    more = config(tiny(tiny_target, tmp_path, "train.steps=6", *extra))
+    more = recipe(tiny(tiny_target, tmp_path, "train.steps=6", *extra))
     capsys.readouterr()
     train(more)
     printed = capsys.readouterr().out
@@ -168,7 +163,7 @@ def test_resume_falls_back_past_damaged_checkpoints_and_refuses_another_plan(tin
     assert (out / "ckpt-0000006" / "state.json").exists()  # written again over the leftover
     with pytest.raises(ValueError, match="another plan"):
         train(
-            config(tiny(tiny_target, tmp_path, "train.steps=8", "train.tokens_per_micro_batch=256", *extra))
+            recipe(tiny(tiny_target, tmp_path, "train.steps=8", "train.tokens_per_micro_batch=256", *extra))
         )
 
 
@@ -198,12 +193,12 @@ def test_a_shard_index_pointing_outside_the_target_is_refused(tmp_path):
 
 
 def test_precompute_reports_what_it_kept(tiny_target, tmp_path, capsys):
-    cfg = config(tiny(tiny_target, tmp_path, "data.max_seq_len=200", "data.overlong=drop"))
+    cfg = recipe(tiny(tiny_target, tmp_path, "data.max_seq_len=200", "data.overlong=drop"))
     run_precompute(cfg)
     printed = capsys.readouterr().out
     assert "16 records →" in printed and "dropped as over-long" in printed
     # every record dropped: no empty store, but the counts that say why
-    cfg = config(tiny(tiny_target, tmp_path / "none", "data.max_seq_len=64", "data.overlong=drop"))
+    cfg = recipe(tiny(tiny_target, tmp_path / "none", "data.max_seq_len=64", "data.overlong=drop"))
     with pytest.raises(ValueError, match="give no training sample: 16 records .* 16 dropped as longer than"):
         run_precompute(cfg)
 
@@ -211,7 +206,7 @@ def test_precompute_reports_what_it_kept(tiny_target, tmp_path, capsys):
 def test_a_manifest_missing_a_shard_or_unreadable_is_refused(tiny_target, tmp_path):
     import json
 
-    cfg = config(tiny(tiny_target, tmp_path, "train.steps=1", "precompute.shard_tokens=1024"))
+    cfg = recipe(tiny(tiny_target, tmp_path, "train.steps=1", "precompute.shard_tokens=1024"))
     store_dir = run_precompute(cfg)
     manifest = json.loads((store_dir / "manifest.json").read_text())
     manifest["shards"] = manifest["shards"][1:]  # one shard's entry deleted, the count kept
@@ -316,7 +311,7 @@ def test_one_writer_per_run_folder_and_per_store(tiny_target, tmp_path):
 
     from mtp_train.locks import Busy, exclusive
 
-    cfg = config(tiny(tiny_target, tmp_path, "train.steps=2"))
+    cfg = recipe(tiny(tiny_target, tmp_path, "train.steps=2"))
     store, out = Path(cfg.precompute.store_dir), Path(cfg.train.out_dir)
     with exclusive(store, "precompute.store_dir"):  # as a precompute in progress would
         with pytest.raises(Busy, match=rf"{store} is in use by pid {os.getpid()} on .*precompute.store_dir"):
@@ -346,7 +341,7 @@ def test_a_target_with_non_finite_states_is_refused_naming_the_sample(tiny_targe
         "inf"
     )  # as a corrupted or overflowing weight
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
-    cfg = config(tiny(target, tmp_path / "run"))
+    cfg = recipe(tiny(target, tmp_path / "run"))
     with pytest.raises(NonFiniteStates, match=r"gsm8k_64.jsonl:\d+: the target's states are NaN or inf") as e:
         run_precompute(cfg)
     assert "\n" not in str(e.value) and "model.dtype" in str(e.value)
@@ -356,7 +351,7 @@ def test_a_target_with_non_finite_states_is_refused_naming_the_sample(tiny_targe
 def test_a_dead_head_stops_training_and_is_not_exported(tiny_target, tmp_path):
     from mtp_train.train import DeadHead
 
-    cfg = config(tiny(tiny_target, tmp_path, "train.lr=1e4", "train.steps=60", "train.dead_steps=5"))
+    cfg = recipe(tiny(tiny_target, tmp_path, "train.lr=1e4", "train.steps=60", "train.dead_steps=5"))
     run_precompute(cfg)
     with pytest.raises(
         DeadHead, match=r"gradient norm has been 0 for 5 steps in a row .*train.lr \(now 10000\)"
@@ -378,11 +373,11 @@ def test_resume_says_what_changed_and_applies_it_or_refuses_it(tiny_target, tmp_
         return [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
 
     base = tiny(tiny_target, tmp_path, "train.save_every=2", "train.warmup_steps=1")
-    run_precompute(config(base + ["train.steps=3"]))
-    train(config(base + ["train.steps=3"]))
+    run_precompute(recipe(base + ["train.steps=3"]))
+    train(recipe(base + ["train.steps=3"]))
     shutil.rmtree(tmp_path / "train" / "ckpt-0000003")  # killed after step 3, before its checkpoint
     capsys.readouterr()
-    train(config(base + ["train.steps=6", "train.lr=2e-3", "train.weight_decay=0.05"]))
+    train(recipe(base + ["train.steps=6", "train.lr=2e-3", "train.weight_decay=0.05"]))
     out = capsys.readouterr().out
     assert "resumed from" in out and "ckpt-0000002 at step 2" in out
     assert "resume: train.lr was 0.001, now 0.002: applied from step 3 on" in out
@@ -392,17 +387,17 @@ def test_resume_says_what_changed_and_applies_it_or_refuses_it(tiny_target, tmp_
     assert steps == [1, 2, 3, 4, 5, 6]  # step 3 once
     lr3 = next(m["lr"] for m in metrics() if m["step"] == 3 and "lr" in m)
     # (a step logs the lr its scheduler step leaves: the next step's, on the new schedule)
-    assert lr3 == pytest.approx(2e-3 * warmup_cosine(1, 6, config(base).train.min_lr_ratio)(3))
+    assert lr3 == pytest.approx(2e-3 * warmup_cosine(1, 6, recipe(base).train.min_lr_ratio)(3))
 
     with pytest.raises(ValueError, match="made with another head") as error:
-        train(config(base + ["train.steps=8", "model.variant=eagle1"]))
+        train(recipe(base + ["train.steps=8", "model.variant=eagle1"]))
     assert "\n" not in str(error.value)
 
     state = tmp_path / "train" / "ckpt-0000006" / "state.json"
     edited = json.loads(state.read_text())
     edited["step"] = 5
     state.write_text(json.dumps(edited))
-    train(config(base + ["train.steps=8"]))
+    train(recipe(base + ["train.steps=8"]))
     out = capsys.readouterr().out
     assert "ckpt-0000006 is damaged (state.json does not match its sha256" in out and "at step 4" in out
 
@@ -422,7 +417,7 @@ def test_more_user_errors_are_one_line(tiny_target, tmp_path, capsys):
         assert "Traceback" not in err and err.count("\n") == 2, err  # the error, the hint
         return err
 
-    assert "model.target is not set" in one_line(lambda: checked(config(["model=tiny_random"])))
+    assert "model.target is not set" in one_line(lambda: checked(recipe(["model=tiny_random"])))
 
     def full_disk():
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt-0000010" / "x"))
@@ -444,7 +439,7 @@ def test_more_user_errors_are_one_line(tiny_target, tmp_path, capsys):
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    cfg = config(tiny(tiny_target, tmp_path / "run", f"data.train_files=[{empty}]"))
+    cfg = recipe(tiny(tiny_target, tmp_path / "run", f"data.train_files=[{empty}]"))
     assert "give no training sample: 0 records" in one_line(lambda: run_precompute(cfg))
     assert not (tmp_path / "run" / "store" / "manifest.json").exists()
 
@@ -455,7 +450,7 @@ def test_a_manifest_missing_a_shard_is_found_and_rebuilt(tiny_target, tmp_path):
     merges it again from the ranks' records, whole."""
     import json
 
-    cfg = config(tiny(tiny_target, tmp_path, "precompute.shard_tokens=1000"))
+    cfg = recipe(tiny(tiny_target, tmp_path, "precompute.shard_tokens=1000"))
     store_dir = run_precompute(cfg)
     path = store_dir / "manifest.json"
     whole = json.loads(path.read_text())

@@ -13,22 +13,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 import mtp_train.config  # noqa: F401  (registers the schema)
 from mtp_train import states as states_module
 from mtp_train.precompute import run_precompute
 from mtp_train.target_files import write_random_target
 from mtp_train.train import train
+from tiny import recipe
 
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO / "tests" / "data" / "gsm8k_64.jsonl"
 STEPS = 5
-
-
-def config(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        return compose("config", overrides=overrides)
 
 
 def overrides(target: Path, run: Path, variant: str, *extra: str) -> list[str]:
@@ -77,7 +72,7 @@ def store_runs(target, tmp_path_factory):
     runs = {}
     for variant in ("rmsnorm-restored", "eagle3"):
         run = tmp_path_factory.mktemp(f"store_{variant}")
-        cfg = config(overrides(target, run, variant, "train.states=store"))
+        cfg = recipe(overrides(target, run, variant, "train.states=store"))
         run_precompute(cfg)
         train(cfg)
         runs[variant] = run
@@ -86,7 +81,7 @@ def store_runs(target, tmp_path_factory):
 
 @pytest.mark.parametrize("variant", ["rmsnorm-restored", "eagle3"])
 def test_online_training_gives_the_store_losses(variant, target, store_runs, tmp_path, capsys):
-    train(config(overrides(target, tmp_path, variant, "train.states=online")))
+    train(recipe(overrides(target, tmp_path, variant, "train.states=online")))
     out = capsys.readouterr().out
     assert "train: states online (train.states=online)" in out and "a store would take" in out
     assert "online: the target's forwards took" in out
@@ -111,12 +106,12 @@ def test_online_with_the_target_sharded_over_two_processes(target, store_runs, t
 def test_auto_takes_the_store_or_goes_online_and_says_why(target, store_runs, tmp_path, monkeypatch, capsys):
     from mtp_train.run import Target, head_spec
 
-    cfg = config(overrides(target, store_runs["rmsnorm-restored"], "rmsnorm-restored"))
+    cfg = recipe(overrides(target, store_runs["rmsnorm-restored"], "rmsnorm-restored"))
     t = Target.resolve(str(target))
     spec = head_spec(cfg.model, t.config, t.dir)
     assert states_module.choose(cfg, spec, t.dir)[0] == "store"
     assert "train.states=auto: a store is there" in capsys.readouterr().out
-    fresh = config(overrides(target, tmp_path, "rmsnorm-restored"))
+    fresh = recipe(overrides(target, tmp_path, "rmsnorm-restored"))
     with pytest.raises(ValueError, match="precompute it .* or train with train.states=online"):
         states_module.choose(fresh, spec, t.dir)
 
@@ -135,9 +130,9 @@ def test_an_online_run_resumes_exactly(target, tmp_path):
     losses (a constant lr, so that the first part's shorter schedule is the same schedule)."""
     constant = ("train.states=online", "train.warmup_steps=0", "train.min_lr_ratio=1.0")
     whole = tmp_path / "whole"
-    train(config(overrides(target, whole, "rmsnorm-restored", *constant)))
+    train(recipe(overrides(target, whole, "rmsnorm-restored", *constant)))
     parts = tmp_path / "parts"
     common = (*constant, "train.save_every=1")
-    train(config(overrides(target, parts, "rmsnorm-restored", *common, "train.steps=3")))
-    train(config(overrides(target, parts, "rmsnorm-restored", *common)))
+    train(recipe(overrides(target, parts, "rmsnorm-restored", *common, "train.steps=3")))
+    train(recipe(overrides(target, parts, "rmsnorm-restored", *common)))
     assert_same_losses(losses(whole), losses(parts))

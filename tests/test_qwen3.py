@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hydra import compose, initialize_config_dir
 
 from inference_ref.causal_lm import cu_seqlens_of
 from inference_ref.generate import generate
@@ -24,7 +23,7 @@ from mtp_train.precompute import run_precompute
 from mtp_train.target_files import write_random_target
 from mtp_train.train import train
 from mtp_train.validate import run_validation
-from tiny import assert_serves_as_trained, rel_err
+from tiny import assert_serves_as_trained, recipe, rel_err
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {
@@ -144,8 +143,7 @@ def test_a_head_trains_validates_and_exports_on_a_qwen3_target(smollm2, tmp_path
         "export.dtype=float32",
         *(EAGLE3 if variant == "eagle3" else ()),
     ]
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = compose("config", overrides=overrides)
+    cfg = recipe(overrides)
     run_precompute(cfg)
     train(cfg)
     report = run_validation(cfg)

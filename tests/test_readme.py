@@ -9,9 +9,9 @@ import shlex
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from mtp_train.config import checked
+from tiny import recipe
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,8 +38,7 @@ def test_a_readme_command_composes_and_names_what_exists(command, tiny_target):
     if "--config_file" in words:
         assert (REPO / words[words.index("--config_file") + 1]).exists()
     overrides = words[words.index(next(w for w in words if w.startswith("mtp_train."))) + 1 :]
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = compose("config", overrides=overrides)
+    cfg = recipe(overrides)
     checked(cfg)
     for value in re.findall(r"\[([^\]]*)\]", " ".join(overrides)):
         for path in value.split(","):

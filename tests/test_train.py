@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 import mtp_train.config  # noqa: F401  (registers the schema)
@@ -19,15 +18,9 @@ from mtp_train.precompute import run_precompute
 from mtp_train.target_files import write_random_target
 from mtp_train.train import train
 from mtp_train.validate.parity import holdout_samples
-from tiny import assert_tau_consistent
+from tiny import assert_tau_consistent, recipe
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 GSM8K = Path(__file__).parent / "data" / "gsm8k_64.jsonl"
-
-
-def config(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        return compose("config", overrides=overrides)
 
 
 def metrics(run: Path) -> dict[int, dict]:
@@ -57,7 +50,7 @@ def tiny_overrides(target: Path, run: Path, store: Path, *extra: str) -> list[st
 @pytest.fixture(scope="module")
 def tiny_store(tiny_target, tmp_path_factory):
     run = tmp_path_factory.mktemp("tiny_run")
-    cfg = config(
+    cfg = recipe(
         ["model=tiny_random", f"model.target={tiny_target}", f"run_dir={run}", f"data.train_files=[{GSM8K}]"]
     )
     return run_precompute(cfg)
@@ -77,7 +70,7 @@ def test_training_on_smollm2_lowers_loss_and_raises_top1(smollm2, tmp_path):
         "train.save_every=0",
         "logging.log_every=1",
     ]
-    cfg = config(overrides)
+    cfg = recipe(overrides)
     run_precompute(cfg)
     train(cfg)
     m = metrics(tmp_path)
@@ -91,7 +84,7 @@ def test_training_on_smollm2_lowers_loss_and_raises_top1(smollm2, tmp_path):
 def test_kill_and_resume_reproduces_the_uninterrupted_curve(tiny_target, tiny_store, tmp_path):
     steps = ["train.steps=10", "train.save_every=4"]
     whole = tmp_path / "whole"
-    train(config(tiny_overrides(tiny_target, whole, tiny_store, *steps)))
+    train(recipe(tiny_overrides(tiny_target, whole, tiny_store, *steps)))
 
     killed = tmp_path / "killed"
     args = tiny_overrides(tiny_target, killed, tiny_store, *steps)
@@ -106,7 +99,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_curve(tiny_target, tiny_st
     proc.wait()
     assert ckpt.exists() and not (killed / "train" / "ckpt-0000010").exists()
 
-    train(config(args))  # resumes from ckpt-0000004
+    train(recipe(args))  # resumes from ckpt-0000004
     a, b = metrics(whole), metrics(killed)
     assert sorted(b) == list(range(1, 11))
     for step in range(1, 11):
@@ -128,7 +121,7 @@ def test_two_processes_match_one_at_the_same_global_batch(tiny_target, tiny_stor
     ]
     common = ["train.steps=4", "train.save_every=0", *validation]
     one = tmp_path / "one"
-    train(config(tiny_overrides(tiny_target, one, tiny_store, *common, "train.grad_accum=2")))
+    train(recipe(tiny_overrides(tiny_target, one, tiny_store, *common, "train.grad_accum=2")))
     two = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "mtp_train.train"]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
@@ -155,7 +148,7 @@ def test_two_processes_match_one_at_the_same_global_batch(tiny_target, tiny_stor
 
 def test_unknown_config_keys_are_errors(tiny_target):
     with pytest.raises(ConfigCompositionException, match="lerning_rate"):
-        config(["model=tiny_random", f"model.target={tiny_target}", "train.lerning_rate=1"])
+        recipe(["model=tiny_random", f"model.target={tiny_target}", "train.lerning_rate=1"])
     done = subprocess.run(
         [sys.executable, "-m", "mtp_train.train", "model=tiny_random", "train.bogus_key=3"],
         capture_output=True,
@@ -167,7 +160,7 @@ def test_unknown_config_keys_are_errors(tiny_target):
 
 def test_a_store_of_another_target_is_refused(smollm2, tiny_store, tmp_path):
     other = write_random_target(tmp_path / "other", smollm2, seed=0, hidden_size=32, head_dim=8)
-    cfg = config(tiny_overrides(other, tmp_path / "run", tiny_store, "train.steps=1"))
+    cfg = recipe(tiny_overrides(other, tmp_path / "run", tiny_store, "train.steps=1"))
     with pytest.raises(ValueError, match="another target.*config_hash"):
         train(cfg)
 
@@ -181,7 +174,7 @@ def test_static_fp8_is_refused_before_the_first_step_when_training_validates(
         ValueError,
         match=r"fp8_static: validation during training \(train.validate_every\) does not calibrate",
     ):
-        train(config(tiny_overrides(tiny_target, tmp_path / "run", tiny_store, *extra)))
+        train(recipe(tiny_overrides(tiny_target, tmp_path / "run", tiny_store, *extra)))
     assert not (tmp_path / "run" / "train" / "metrics.jsonl").exists()  # refused before any step
 
 
@@ -192,7 +185,7 @@ def test_set_aside_records_the_store_trained_on_are_refused_before_the_first_ste
     records as set-aside text would score the head on what it trained on."""
     extra = [f"data.train_files=[{GSM8K}]", "data.holdout=4", "train.steps=2", "train.validate_every=1"]
     with pytest.raises(ValueError, match=r"made with data.holdout=0, so the head trained on records 0..3"):
-        train(config(tiny_overrides(tiny_target, tmp_path / "run", tiny_store, *extra)))
+        train(recipe(tiny_overrides(tiny_target, tmp_path / "run", tiny_store, *extra)))
     assert not (tmp_path / "run" / "train" / "metrics.jsonl").exists()
 
 
@@ -210,7 +203,7 @@ def test_validation_runs_inside_training(tiny_target, tiny_store, tmp_path):
         "validate.chain_lengths=[2]",
         "validate.teacher_forced_samples=2",
     ]
-    train(config(tiny_overrides(tiny_target, run, tiny_store, *extra)))
+    train(recipe(tiny_overrides(tiny_target, run, tiny_store, *extra)))
     rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
     validations = {r["step"]: r for r in rows if "val/loss" in r}
     assert sorted(validations) == [3, 6]
@@ -225,7 +218,7 @@ def test_validation_runs_inside_training(tiny_target, tiny_store, tmp_path):
     recorded = json.loads((run / "train" / "head-latest" / "config.json").read_text())["training"]["data"]
     assert recorded["train_files"] == [str(GSM8K)] and recorded["holdout"] == 0  # the store's data
     # so standalone validation refuses set-aside text the head trained on, before loading anything
-    held_out = config(
+    held_out = recipe(
         tiny_overrides(tiny_target, run, tiny_store, f"data.train_files=[{GSM8K}]", "data.holdout=2")
     )
     with pytest.raises(ValueError, match=r"head-latest's training data: made with data.holdout=0"):
@@ -244,7 +237,7 @@ def test_bf16_mixed_precision_trains_fp32_master_weights_close_to_fp32(tiny_targ
     for precision in ("fp32", "bf16"):
         runs[precision] = tmp_path / precision
         train(
-            config(
+            recipe(
                 tiny_overrides(
                     tiny_target, runs[precision], tiny_store, *common, f"train.precision={precision}"
                 )
@@ -257,7 +250,7 @@ def test_bf16_mixed_precision_trains_fp32_master_weights_close_to_fp32(tiny_targ
     assert bf16[4]["loss"] < bf16[1]["loss"]
 
     # One step by hand: the layer's linears compute in bf16, the weights and AdamW's moments are fp32.
-    cfg = config(tiny_overrides(tiny_target, tmp_path / "hand", tiny_store, *common, "train.precision=bf16"))
+    cfg = recipe(tiny_overrides(tiny_target, tmp_path / "hand", tiny_store, *common, "train.precision=bf16"))
     t, _, states, _ = set_up(cfg)
     head = t.acc.unwrap_model(t.objective).head
     seen = set()

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from test_speculative import (
     bigram_head,
     chi_square_pvalue,
@@ -39,7 +38,7 @@ from mtp_train.config import ConfigError, checked
 from mtp_train.heads import MTPHead, build
 from mtp_train.target_files import target_identity
 from mtp_train.validate import run_validation, summary
-from tiny import assert_tau_consistent, frozen_of, randomized
+from tiny import assert_tau_consistent, frozen_of, randomized, recipe
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = [TreeShape(2, 3, 6), TreeShape(4, 4, 12), TreeShape(5, 8, 40)]
@@ -329,13 +328,8 @@ def test_the_distribution_test_detects_a_wrong_tree_sampler(draft, tmp_path, mon
 # ---------------------------------------------------------------- validation: chains and trees
 
 
-def validate_config(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        return compose("config", overrides=overrides)
-
-
 def test_tree_budgets_are_range_checked():
-    cfg = validate_config(["model=tiny_random", "model.target=x", "validate.tree_budgets=[16,300]"])
+    cfg = recipe(["model=tiny_random", "model.target=x", "validate.tree_budgets=[16,300]"])
     with pytest.raises(
         ConfigError, match=r"validate.tree_budgets=\[16, 300\]: must be node budgets in 1 … 264"
     ):
@@ -349,7 +343,7 @@ def test_validation_reports_chains_and_trees_at_equal_verify_budgets(tiny_target
     spec = HeadSpec("rmsnorm-restored", read_target_config(tiny_target))
     head = randomized(MTPHead(spec, frozen_target_tensors(tiny_target)), seed=0)
     ex.save_head(head, tmp_path / "head", target_identity(tiny_target), {}, torch.float32)
-    cfg = validate_config(
+    cfg = recipe(
         [
             "model=tiny_random",
             f"model.target={tiny_target}",

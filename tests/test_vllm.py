@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
@@ -45,6 +44,7 @@ from mtp_train.serving.vllm_engine import CannotServe, Run, VLLMMissing, expecte
 from mtp_train.serving.vllm_plugin import ARCHITECTURES, METHODS
 from mtp_train.target_files import target_identity
 from mtp_train.validate.engine import check_engine
+from tiny import recipe
 
 pytestmark = pytest.mark.skipif(
     find_spec("vllm") is None, reason=f"vLLM is not installed: {vllm_engine.INSTALL}"
@@ -94,8 +94,7 @@ def pipeline_config(base: Path, variant: str, conversations: Path, *extra: str):
         "logging.log_every=10",
         *extra,
     ]
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = compose("config", overrides=overrides)
+    cfg = recipe(overrides)
     OmegaConf.resolve(cfg)
     return cfg
 
@@ -308,8 +307,7 @@ def test_the_serve_entry_point_prints_checked_commands(quick_export, smollm2, ti
     from mtp_train.serve import serve
 
     def config(target, *extra):
-        with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-            return compose("config", overrides=["model=smollm2_135m", f"model.target={target}", *extra])
+        return recipe(["model=smollm2_135m", f"model.target={target}", *extra])
 
     serve(config(smollm2, f"serve.head={quick_export}", "serve.k=4"))
     out = capsys.readouterr().out
