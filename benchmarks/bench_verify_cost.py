@@ -212,9 +212,10 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     )
     p.add_argument(
         "--pdl",
-        action="store_true",
-        help="one row's Triton kernels launched with programmatic dependent launch "
-        "(inference_ref.triton_support.use_pdl); _pdl added to the file name",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one row's Triton kernels launched with programmatic dependent launch on Hopper "
+        "(inference_ref.triton_support.use_pdl, the default); --no-pdl: _no_pdl added to the file name",
     )
     p.add_argument("--tag", default="", help="added to the file name (a partial grid, another device)")
     p.add_argument("--new-tokens", type=int, nargs="+", default=list(NEW_TOKENS), help="per row, 1 = decode")
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}")
         + ("" if args.linear_kernel == "cublas" else f"_{args.linear_kernel}")
         + ("_unfolded" if args.unfolded else "")
-        + ("_pdl" if args.pdl else "")
+        + ("" if args.pdl else "_no_pdl")
         + ("_compiled" if args.compiled_layers else "")
         + ("_autotuned" if args.autotune else "")
         + ("_profiled" if args.profile else "")  # its own file: a profiled run times fewer batches

@@ -27,6 +27,8 @@
 # passed). Run 6 (2026-12-06, an H200 at last, 8.6 minutes for the items below but t, g,
 # k_mixed_skinny and the unfolded ones): 8B verifies within 1.1x, decode at batch 1 74.0 % (75.1 %
 # with the block shapes added after it), 70B verifies at batch 8 of 6-8 tokens 1.14-1.20x (run 6).
+# Run 7 (2026-12-06, fifth session, an H100): the PDL A/B below and `t` (passed); PDL now on by
+# default. Still to run on an H200: s70_*, o8_* (PDL there) and t.
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
@@ -86,16 +88,17 @@ run s8_all $s all $k8s
 run s8_no_split $s no_split $k8s
 run s70_all_again $s all $k70s --tag shapes_all_again
 run s70_no_split_again $s no_split $k70s --tag shapes_no_split_again
-# programmatic dependent launch for one row's kernels (2026-12-06, third session; opt-in: use_pdl):
+# programmatic dependent launch for one row's kernels (2026-12-06; on by default since the A/B of
+# that day's fifth session on an H100: the 8B decode at batch 1 3.9 % faster, the rest as before):
 # their blocks start while the kernel before finishes, load their first weights, then wait; without
 # and with, in turn, twice at 8B (the tiles launch the same either way); then `t` (its graphed check
-# captures steps with PDL and without)
+# captures steps with PDL and without). Not yet run on an H200.
 o8="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny"
-run o8_off $o8 --tag pdl_ab
+run o8_off $o8 --no-pdl --tag pdl_ab
 run o8_on $o8 --pdl --tag pdl_ab
-run o70_off $v $k70s --tag pdl_ab
+run o70_off $v $k70s --no-pdl --tag pdl_ab
 run o70_on $v $k70s --pdl --tag pdl_ab
-run o8_off_again $o8 --tag pdl_ab_again
+run o8_off_again $o8 --no-pdl --tag pdl_ab_again
 run o8_on_again $o8 --pdl --tag pdl_ab_again
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"

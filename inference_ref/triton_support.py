@@ -3,7 +3,7 @@ CUDA, and on a CPU under Triton's interpreter (`TRITON_INTERPRET=1`, which Trito
 kernel is defined: the tests set it in a child process). Without Triton they never run.
 
 Also how they may follow one another on Hopper and later GPUs: programmatic dependent launch
-(PDL; `use_pdl`, off by default until measured to pay). A decode step is a chain of short
+(PDL; `use_pdl`, on by default where the GPU has it). A decode step is a chain of short
 memory-bound kernels (a 50 MB map reads in about 10 µs on an H200), and each one's last thread
 blocks finish while the SMs they leave idle. Launched with PDL, a kernel's blocks start once every
 block of the kernel before has started and waited for its own predecessor (`gdc_launch_dependents`
@@ -24,7 +24,7 @@ except ImportError:  # a build without Triton
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-_pdl = False
+_pdl = True  # use_pdl
 
 
 def runs_on(device_type: str) -> bool:
@@ -34,12 +34,17 @@ def runs_on(device_type: str) -> bool:
 
 def use_pdl(on: bool = True) -> None:
     """Whether one row's kernels launch with PDL where the GPU has it (`launch_options`, the module
-    docstring). Off by default until an A/B on one GPU shows it pays: on an H100 PDL alone made a
-    decode step at batch 1 0.8 % faster and verifies up to 2 % slower; with the first weights loaded
-    before the wait the decode step took 5.45 ms on another H100, inside the 5.45-5.67 ms that
-    H100s gave without it (docs/benchmarks.md). `bench_verify_cost --pdl` turns it on."""
+    docstring); on by default. In an A/B on one H100 (2026-12-06, docs/benchmarks.md) it made the
+    8B shape's decode step at batch 1 3.9 % faster (5.53 → 5.31 ms, twice) and left the other
+    steps as they were (the tiles launch without it; the 70B shape's longer maps gained nothing).
+    `bench_verify_cost --no-pdl` turns it off."""
     global _pdl
     _pdl = on
+
+
+def uses_pdl() -> bool:
+    """What `use_pdl` last set (so that a check can put it back)."""
+    return _pdl
 
 
 def _index(device) -> int:
@@ -57,8 +62,9 @@ def _has_pdl(device_index: int) -> bool:
 
 def launch_options(device, rows: int) -> dict:
     """The PDL constexpr of a kernel on `device` over `rows` rows of x (query tokens for the
-    attention), and the launch option that goes with it: with `use_pdl`, for one row (a decode step
-    at batch 1; the tiles of 16-64 rows ran up to 3 % slower with PDL on an H100), on Hopper and later.
+    attention), and the launch option that goes with it: with `use_pdl` (the default), for one row (a
+    decode step at batch 1; the tiles of 16-64 rows ran up to 3 % slower with PDL on an H100), on
+    Hopper and later.
     Never under the interpreter, which has no grid dependency control."""
     pdl = rows == 1 and device.type == "cuda" and not INTERPRETED and _pdl and _has_pdl(_index(device))
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}

@@ -338,13 +338,14 @@ def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
     (`triton_support`): each waits for the kernel before inside, which a graph keeps as an edge
     of its own; one that read its input before the wait would read the last replay's."""
     from inference_ref.decode_graph import DecodeStep
-    from inference_ref.triton_support import launch_options, use_pdl
+    from inference_ref.triton_support import launch_options, use_pdl, uses_pdl
 
     model = random_llama(tiny_llama(), device, dtype, seed=0)
     torch.manual_seed(2)
     use_cached_kernel("split")
     use_linear_kernel("skinny")
     hopper = torch.cuda.get_device_capability() >= (9, 0)
+    default_pdl = uses_pdl()
     try:
         for pdl, lengths, new in itertools.product((False, True), ([40, 25, 33], [30]), (1, 3)):
             use_pdl(False)
@@ -369,7 +370,7 @@ def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
     finally:
         use_cached_kernel("auto")
         use_linear_kernel("auto")
-        use_pdl(False)
+        use_pdl(default_pdl)
 
 
 POINTER_TYPES = {

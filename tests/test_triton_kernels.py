@@ -71,10 +71,10 @@ def test_kernels_compile_for_an_h100_or_h200(kernel):
     assert compile_for_hopper(kernel)
 
 
-def test_pdl_is_opt_in_and_launches_one_rows_kernels_on_hopper_only(monkeypatch):
-    """`use_pdl` turns programmatic dependent launch on for kernels over one row, on a GPU that has
+def test_pdl_is_on_by_default_for_one_rows_kernels_on_hopper_only(monkeypatch):
+    """Programmatic dependent launch is on by default for kernels over one row, on a GPU that has
     it; never for tiles, a CPU, the interpreter (whose kernels would not compile with it), or a map
-    whose weights are copied first."""
+    whose weights are copied first; `use_pdl(False)` turns it off."""
     import torch
 
     from inference_ref import skinny_linear, triton_support
@@ -83,8 +83,7 @@ def test_pdl_is_opt_in_and_launches_one_rows_kernels_on_hopper_only(monkeypatch)
     monkeypatch.setattr(triton_support, "_has_pdl", lambda index: index == 0)  # GPU 0 a Hopper, 1 older
     hopper, older, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
     on = {"PDL": True, "launch_pdl": True}
-    assert triton_support.launch_options(hopper, 1) == {"PDL": False}  # off by default
-    triton_support.use_pdl(True)
+    assert triton_support.uses_pdl()  # the default
     try:
         assert triton_support.launch_options(hopper, 1) == on
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -97,8 +96,11 @@ def test_pdl_is_opt_in_and_launches_one_rows_kernels_on_hopper_only(monkeypatch)
             assert triton_support.launch_options(device, rows) == {"PDL": False}, (device, rows)
         monkeypatch.setattr(triton_support, "INTERPRETED", True)
         assert triton_support.launch_options(hopper, 1) == {"PDL": False}
-    finally:
+        monkeypatch.setattr(triton_support, "INTERPRETED", False)
         triton_support.use_pdl(False)
+        assert triton_support.launch_options(hopper, 1) == {"PDL": False}
+    finally:
+        triton_support.use_pdl(True)
 
 
 def test_split_kv_takes_the_head_sizes_and_tiles_it_can():
