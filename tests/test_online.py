@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-import mtp_train.config  # noqa: F401  (registers the schema)
 from mtp_train import states as states_module
 from mtp_train.precompute import run_precompute
 from mtp_train.target_files import write_random_target

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-import mtp_train.config  # noqa: F401  (registers the schema)
 from mtp_train.precompute import run_precompute
 from mtp_train.target_files import write_random_target
 from mtp_train.train import train
