@@ -40,13 +40,7 @@ from benchmarks.common import (
 )
 from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
 from inference_ref.models import TARGET_KINDS
-from inference_ref.skinny_linear import (
-    FEW_ROWS,
-    LINEAR_KERNELS,
-    tuned_configs,
-    use_linear_kernel,
-    use_row_products,
-)
+from inference_ref.skinny_linear import LINEAR_KERNELS, tuned_configs, use_linear_kernel
 from inference_ref.triton_support import use_pdl
 
 BATCHES = (1, 8, 32, 64)
@@ -220,17 +214,8 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         "--pdl",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="a few rows' Triton kernels launched with programmatic dependent launch on Hopper "
+        help="one row's Triton kernels launched with programmatic dependent launch on Hopper "
         "(inference_ref.triton_support.use_pdl, the default); --no-pdl: _no_pdl added to the file name",
-    )
-    p.add_argument(
-        "--row-products",
-        type=int,
-        default=FEW_ROWS,
-        help="with --linear-kernel skinny: maps of up to this many rows multiply and sum along K, their "
-        "norms and SiLU·up folded into the loads and launched with PDL, more run a tile of tl.dot "
-        f"(inference_ref.skinny_linear.use_row_products; {FEW_ROWS}, the default); another count: "
-        "_rows<count> added to the file name",
     )
     p.add_argument("--tag", default="", help="added to the file name (a partial grid, another device)")
     p.add_argument("--new-tokens", type=int, nargs="+", default=list(NEW_TOKENS), help="per row, 1 = decode")
@@ -265,7 +250,6 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     use_cached_kernel(args.cached_kernel)
     use_linear_kernel(args.linear_kernel, folds=not args.unfolded)
     use_pdl(args.pdl)
-    use_row_products(args.row_products)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
     measured, profiles = {}, None
@@ -298,7 +282,6 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         + ("" if args.linear_kernel == "cublas" else f"_{args.linear_kernel}")
         + ("_unfolded" if args.unfolded else "")
         + ("" if args.pdl else "_no_pdl")
-        + ("" if args.row_products == FEW_ROWS else f"_rows{args.row_products}")
         + ("_compiled" if args.compiled_layers else "")
         + ("_autotuned" if args.autotune else "")
         + ("_profiled" if args.profile else "")  # its own file: a profiled run times fewer batches
@@ -314,7 +297,6 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             "linear_kernel": args.linear_kernel,
             "folded": not args.unfolded,
             "pdl": args.pdl,
-            "row_products_up_to": args.row_products,
             "skinny_configs": tuned_configs(),
             "compiled_layers": args.compiled_layers,
             "autotune": args.autotune,

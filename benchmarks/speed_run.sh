@@ -28,7 +28,7 @@
 # k_mixed_skinny and the unfolded ones): 8B verifies within 1.1x, decode at batch 1 74.0 % (75.1 %
 # with the block shapes added after it), 70B verifies at batch 8 of 6-8 tokens 1.14-1.20x (run 6).
 # Run 7 (2026-12-06, fifth session, an H100): the PDL A/B below and `t` (passed); PDL now on by
-# default. Still to run on an H200: s70_*, o8_* (PDL there) and t. Then the row products (r*, below).
+# default. Still to run on an H200: s70_*, o8_* (PDL there) and t.
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
@@ -82,18 +82,6 @@ k="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 3 4 6 8
 s="python -m benchmarks.bench_block_shapes"
 k70s="--shape llama3_70b --layers 8 16 --compiled-layers --batches 1 8 --new-tokens 1 2 4 6 8 --cached-kernel split --linear-kernel skinny"
 k8s="--shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny"
-# row products (2026-12-06, sixth session): maps of 2-8 rows multiply and sum along K without tl.dot,
-# with their RMSNorms and SiLU·up folded into the loads and PDL at launch as one row's
-# (`skinny_linear.use_row_products`); against the tiles of tl.dot (--row-products 1, the kernels
-# before), in turn, twice at 8B, once at 70B; then `t` (the GPU tests force every new block shape).
-r8="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 3 4 6 8 --cached-kernel split --linear-kernel skinny"
-run r8_tiles $r8 --row-products 1 --tag rows_ab
-run r8_rows $r8 --tag rows_ab
-run r8_tiles_again $r8 --row-products 1 --tag rows_ab_again
-run r8_rows_again $r8 --tag rows_ab_again
-run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
-run r70_tiles $v $k70s --row-products 1 --tag rows_ab
-run r70_rows $v $k70s --tag rows_ab
 run s70_no_split $s no_split $k70s
 run s70_all $s all $k70s
 run s8_all $s all $k8s
@@ -113,6 +101,7 @@ run o70_on $v $k70s --pdl --tag pdl_ab
 run o8_off_again $o8 --no-pdl --tag pdl_ab_again
 run o8_on_again $o8 --pdl --tag pdl_ab_again
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
+run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny
 run k_split_skinny_unfolded $k --cached-kernel split --linear-kernel skinny --unfolded
 run k_mixed_cublas $k --cached-kernel mixed --linear-kernel cublas

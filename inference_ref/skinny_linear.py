@@ -4,12 +4,8 @@ At batch 1 a decode step is its weights read once. cuBLAS serves a one-row produ
 Llama-3.1-8B layer's maps at 61–85 % of an H100's bandwidth, splitting the input features of
 o_proj and down_proj over thread blocks and summing the parts in a second kernel (docs/benchmarks.md,
 "#36 on an H100"). Here each thread block owns `BLOCK_N` output features and reads their whole
-weight rows once, for every row of x at once: one kernel per map, the weights read once whatever
-the rows. Up to `FEW_ROWS` rows (`use_row_products`; a verify of 2–8 tokens at batch 1) each weight
-is multiplied into every row's sums along K (`_row_products`), so that x may be computed on as it
-loads: the RMSNorm before the map and a gated MLP's SiLU·up go into the loads, and the kernel
-launches with PDL (`triton_support`). More rows run `tl.dot` on a tile of 16 to `MAX_ROWS` rows,
-whose x goes in as loaded.
+weight rows once, for every row of x at once (`tl.dot` on a tile of 16 to `MAX_ROWS` rows; one row
+is multiplied and summed along K): one kernel per map, the weights read once whatever the rows.
 A tile of `MAX_ROWS` may also split K into 2–4 shares (`SPLIT`), each program summing its share of
 wide blocks into fp32 and `_sum_splits` adding the shares in order: at 64 rows every program reads
 its x tile from L2 for each block of weights it reads, as many bytes as the weights with blocks of
@@ -17,7 +13,7 @@ its x tile from L2 for each block of weights it reads, as many bytes as the weig
 chose none at 64 rows: docs/benchmarks.md, "Split K for the row tiles").
 The block shape is timed once per (map shape, row tile), on the first call outside a CUDA graph's
 capture (a few seconds per map shape, mostly Triton compiling each candidate; `_block_shape`).
-A gated MLP's down_proj adds the layer's residual in its epilogue, and for a few rows takes
+A gated MLP's down_proj adds the layer's residual in its epilogue, and for one row takes
 [gate | up] and computes SiLU·up in its loads (`project_gated`): two kernels fewer per layer.
 
 A custom op, so that torch.compile calls it as it is (Inductor would otherwise fuse the map's
@@ -37,29 +33,8 @@ if triton is not None:
 
 MAX_ROWS = 64
 """The most rows of x one call takes (the tile `tl.dot` multiplies); more go to cuBLAS."""
-FEW_ROWS = 8
-"""The most rows `_row_products` takes (without `tl.dot`), and so the most a folded RMSNorm or
-SiLU·up takes: a verify of 2–8 tokens at batch 1, a decode step at batch 2–8."""
-_row_products_up_to = FEW_ROWS  # use_row_products
 SUM_BLOCK = 1024
 """Outputs per program of `_sum_splits`."""
-
-
-_FEW_ROW_SHAPES = [
-    (4, 1024, 4, 1), (8, 1024, 8, 1), (4, 1024, 8, 4), (8, 512, 4, 3), (8, 512, 8, 4),
-    (16, 512, 8, 4), (16, 128, 4, 1), (32, 64, 4, 1), (16, 256, 8, 1), (32, 128, 8, 1),
-    (32, 256, 16, 1), (16, 128, 4, 3), (32, 64, 4, 4), (16, 256, 8, 3), (32, 128, 8, 3),
-]  # fmt: skip
-"""The block shapes (BLOCK_N, BLOCK_K, num_warps, num_stages) for 2–8 rows: one row's with 4 or
-more outputs a block (each program reads every row's x from L2: a block of 1-2 outputs would
-read as much of x as of weights) and wider blocks with shorter K steps, whose sums fit in registers
-(`_fits_registers`)."""
-
-
-def _fits_registers(tile: int, block_n: int, block_k: int, warps: int) -> bool:
-    """Whether `_row_products`' fp32 sums of a tile of rows, [rows, BLOCK_N, BLOCK_K], take at most
-    128 registers a thread (every one-row shape takes 64 or fewer; a thread has 255)."""
-    return tile * block_n * block_k <= 128 * 32 * warps
 
 
 def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
@@ -67,7 +42,6 @@ def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
     One row multiplies and sums along K (no tile of 16 rows to fill): narrow blocks, long K steps,
     and without pipelining stages as well as with them (a plain streaming read may do best with many
     programs resident per SM and nothing staged through shared memory: Inductor's reductions).
-    2–8 rows (`_row_products` too) take `_FEW_ROW_SHAPES`.
     A tile of rows also tries its dot swapped (SWAP: the weight rows as the dot's M side, as
     serving engines' skinny GEMMs do, so that Hopper's wgmma, 64 rows a warp group, holds them).
     A tile of `MAX_ROWS` also tries wide blocks with K split in 2 or 4 (SPLIT; module docstring:
@@ -77,7 +51,7 @@ def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
     which the checks force one by one)."""
     if not gpu:
         shapes = [(16, 64, 4, 1, False, 1)]
-    elif tile < 16:
+    elif tile == 1:
         shapes = [
             (1, 2048, 4, 1), (1, 2048, 8, 1), (1, 2048, 16, 1), (1, 4096, 8, 1), (1, 4096, 16, 1),
             (2, 4096, 8, 1),
@@ -86,8 +60,6 @@ def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
             (8, 1024, 8, 4), (16, 512, 4, 3), (16, 512, 8, 4),
             (8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 8, 1), (16, 2048, 16, 1),
         ]  # fmt: skip
-        if tile > 1:
-            shapes = [shape for shape in _FEW_ROW_SHAPES if _fits_registers(tile, *shape[:3])]
         shapes = [(*shape, False, 1) for shape in shapes]
     else:
         shapes = [
@@ -135,7 +107,7 @@ if triton is not None:
 
     @triton.jit
     def _first_weights(W, n, N, K, stride_wn, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        # With PDL a few rows' first block of weights w[n, :BLOCK_K], loaded before the wait for the
+        # With PDL one row's first block of weights w[n, :BLOCK_K], loaded before the wait for the
         # kernel before (`triton_support`: no kernel writes them), so that they stream in while its
         # last blocks finish; without, nothing (each K step loads its own).
         if PDL:
@@ -146,50 +118,45 @@ if triton is not None:
 
     @triton.jit
     def _row_step(
-        acc, squares, X, W, G, m, M, n, N, first, K, stride_xm, stride_wn, w_first,
+        acc, squares, X, W, G, n, N, first, K, stride_wn, w_first,
         BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, PRELOADED: tl.constexpr,
     ):  # fmt: skip
-        # One K step of `_row_products`: x of the rows (normed), then the weights (`w_first` where
-        # PRELOADED), each weight multiplied into every row's sums.
+        # One K step of `_row_product`: x (normed), then the weights (`w_first` where PRELOADED).
         k = first + tl.arange(0, BLOCK_K)
-        at = m[:, None] * stride_xm + k[None, :]
-        x = _load_x(X, at, (m[:, None] < M) & (k[None, :] < K), K, GATED).to(tl.float32)
+        x = _load_x(X, k, k < K, K, GATED).to(tl.float32)
         if NORM:
             squares += x * x
-            x = x * tl.load(G + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+            x = x * tl.load(G + k, mask=k < K, other=0.0).to(tl.float32)
         if PRELOADED:
             w = w_first
         else:
             w = _weight_block(W, n, k, N, K, stride_wn)
-        return acc + w.to(tl.float32)[None, :, :] * x[:, None, :], squares
+        return acc + w.to(tl.float32) * x[None, :], squares
 
     @triton.jit
-    def _row_products(
-        X, W, G, m, M, n, N, K, stride_xm, stride_wn, eps, w_first,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-        NORM: tl.constexpr, PDL: tl.constexpr,
+    def _row_product(
+        X, W, G, n, N, K, stride_wn, eps, w_first,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
-        # x[m] · w[n] of a few rows m, [ROWS, BLOCK_N] in fp32: multiplied and summed along K, in
-        # BLOCK_K steps, without `tl.dot` (with PDL the first step's weights are `w_first`), so that
-        # x may be computed on as it loads. NORM: of rms_norm(x[m]) · G instead, each row's sum of
-        # squares gathered from the same loads and its 1/rms applied to its sums.
-        acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
-        squares = tl.zeros([ROWS, BLOCK_K], tl.float32)
+        # x · w[n] of one row x, [BLOCK_N] in fp32: multiplied and summed along K, in BLOCK_K steps
+        # (with PDL the first one's weights are `w_first`). NORM: of rms_norm(x) · G instead, the
+        # sum of squares gathered from the same loads and 1/rms applied to the sums.
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        squares = tl.zeros([BLOCK_K], tl.float32)
         start = 0
         if PDL:
             acc, squares = _row_step(
-                acc, squares, X, W, G, m, M, n, N, 0, K, stride_xm, stride_wn, w_first,
-                BLOCK_K, GATED, NORM, True,
-            )  # fmt: skip
+                acc, squares, X, W, G, n, N, 0, K, stride_wn, w_first, BLOCK_K, GATED, NORM, True
+            )
             start = BLOCK_K
         for first in range(start, K, BLOCK_K):
             acc, squares = _row_step(
-                acc, squares, X, W, G, m, M, n, N, first, K, stride_xm, stride_wn, w_first,
-                BLOCK_K, GATED, NORM, False,
-            )  # fmt: skip
-        y = tl.sum(acc, 2)
+                acc, squares, X, W, G, n, N, first, K, stride_wn, w_first, BLOCK_K, GATED, NORM, False
+            )
+        y = tl.sum(acc, 1)
         if NORM:
-            y = y * tl.rsqrt(tl.sum(squares, 1) / K + eps)[:, None]
+            y = y * tl.rsqrt(tl.sum(squares, 0) / K + eps)
         return y
 
     @triton.jit
@@ -229,34 +196,34 @@ if triton is not None:
         GATED: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr, SWAP: tl.constexpr,
         SPLIT: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL). A few rows (ROWS
-        # under 16) are `_row_products`; a tile of rows is `tl.dot`'s, and with SPLIT > 1 this
-        # program's share of K only, its fp32 sums into P [SPLIT, M, N] for `_sum_splits` to add up.
+        # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL). SPLIT > 1 (a tile
+        # of rows): this program's share of K only, its fp32 sums into P [SPLIT, M, N] for
+        # `_sum_splits` to add up.
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, ROWS)
-        tl.static_assert(ROWS < 16 or not PDL, "PDL launches a few rows' kernels only (launch_options)")
+        tl.static_assert(ROWS == 1 or not PDL, "PDL launches one row's kernels only (launch_options)")
         w_first = _first_weights(W, n, N, K, stride_wn, BLOCK_K, PDL)
         after_previous_kernel(PDL)
-        if ROWS < 16:
-            acc = _row_products(
-                X, W, G, m, M, n, N, K, stride_xm, stride_wn, eps, w_first,
-                ROWS, BLOCK_N, BLOCK_K, GATED, NORM, PDL,
-            )  # fmt: skip
+        if ROWS == 1:
+            y = _row_product(X, W, G, n, N, K, stride_wn, eps, w_first, BLOCK_N, BLOCK_K, GATED, NORM, PDL)
+            if RESIDUAL:
+                y += tl.load(R + n, mask=n < N, other=0.0).to(tl.float32)
+            tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
         else:
+            m = tl.arange(0, ROWS)
             share = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K  # whole K steps each
             start = tl.program_id(1) * share
             acc = _tile_product(
                 X, W, n, M, N, start, tl.minimum(K, start + share), stride_xm, stride_wn,
                 ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP,
             )  # fmt: skip
-        inside = (m[:, None] < M) & (n[None, :] < N)
-        if SPLIT > 1:
-            tl.store(P + (tl.program_id(1) * M + m[:, None]) * N + n[None, :], acc, mask=inside)
-        else:
-            if RESIDUAL:
-                r = tl.load(R + m[:, None] * stride_rm + n[None, :], mask=inside, other=0.0)
-                acc += r.to(tl.float32)
-            tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=inside)
+            inside = (m[:, None] < M) & (n[None, :] < N)
+            if SPLIT > 1:
+                tl.store(P + (tl.program_id(1) * M + m[:, None]) * N + n[None, :], acc, mask=inside)
+            else:
+                if RESIDUAL:
+                    r = tl.load(R + m[:, None] * stride_rm + n[None, :], mask=inside, other=0.0)
+                    acc += r.to(tl.float32)
+                tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _sum_splits(
@@ -295,21 +262,19 @@ if triton is not None:
         lower = head * DIM + j
         n = tl.reshape(tl.join(lower, lower + HALF), [BLOCK_N])
         N = (HEADS + 2 * KV_HEADS) * DIM
-        tl.static_assert(ROWS < 16 or not PDL, "PDL launches a few rows' kernels only (launch_options)")
+        tl.static_assert(ROWS == 1 or not PDL, "PDL launches one row's kernels only (launch_options)")
         w_first = _first_weights(W, n, N, K, stride_wn, BLOCK_K, PDL)
         after_previous_kernel(PDL)
-        m = tl.arange(0, ROWS)
-        if ROWS < 16:
-            y = _row_products(
-                X, W, G, m, M, n, N, K, stride_xm, stride_wn, eps, w_first,
-                ROWS, BLOCK_N, BLOCK_K, False, NORM, PDL,
-            )  # fmt: skip
+        if ROWS == 1:
+            m = tl.arange(0, 1)[:, None]
+            y = _row_product(X, W, G, n, N, K, stride_wn, eps, w_first, BLOCK_N, BLOCK_K, False, NORM, PDL)
+            a, b = tl.split(tl.reshape(y, [1, PAIRS, 2]))
         else:
+            m = tl.arange(0, ROWS)[:, None]
             y = _tile_product(
                 X, W, n, M, N, 0, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP
             )
-        a, b = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
-        m = m[:, None]
+            a, b = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         there = m < M
         j = j[None, :]
         if head < HEADS + KV_HEADS:  # q or k: rotated (cos and sin repeat over the two halves)
@@ -362,25 +327,21 @@ def _timed(launch, shape: dict) -> float:
         return float("inf")  # not a candidate; any other error (a fault) is raised as it is
 
 
-def _rows(x: torch.Tensor, folded: bool) -> tuple[torch.Tensor, int]:
-    """x as [rows, features] with unit stride along features, and its row tile: for a few rows
-    the power of 2 that holds them (`_row_products`: where `use_row_products` says so, and wherever
-    a norm or SiLU·up is `folded` into the loads, at most `FEW_ROWS` rows, which the callers
-    check); else 16 to `MAX_ROWS` (`tl.dot` takes 16 rows or more)."""
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x as [rows, features] with unit stride along features, and its row tile (1, or 16 to
+    `MAX_ROWS`: `tl.dot` takes 16 rows or more)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     rows = flat.shape[0]
-    tile = triton.next_power_of_2(max(rows, 1))
-    return flat, tile if folded or rows <= _row_products_up_to else max(16, tile)
+    return flat, 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
 
 
 def _launch_options(device: torch.device, tile: int, weight: torch.Tensor) -> dict:
-    """`launch_options` for a map of these weights over a row tile: PDL for `_row_products` (a
-    few rows), not for `tl.dot`'s tiles, nor where the weights need a copy first: the copy is a
-    kernel that writes them, and with PDL the map reads its first weights before it waits for the
-    kernel before."""
-    return launch_options(device, tile < 16 and weight.stride(-1) == 1)
+    """`launch_options` for a map of these weights, without PDL where they need a copy first: the
+    copy is a kernel that writes them, and with PDL the map reads its first weights before it waits
+    for the kernel before."""
+    return launch_options(device, tile) if weight.stride(-1) == 1 else {"PDL": False}
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -397,22 +358,21 @@ def skinny_linear(
     eps: float = 0.0,
 ) -> torch.Tensor:
     """x [..., K] (at most `MAX_ROWS` rows) @ weight [N, K]ᵀ → [..., N], as `F.linear` without bias.
-    gated: x is [..., 2K], [gate | up], and the map takes silu(gate) · up (a gated MLP's
-    down_proj, so that the activation needs no kernel of its own). At most `FEW_ROWS` rows, which
-    `_row_products` takes: computed inside the tile of `tl.dot` it made the maps of 2–64 rows 2×
-    slower on an H200.
+    gated: x is one row [..., 2K], [gate | up], and the map takes silu(gate) · up (a gated MLP's
+    down_proj at batch 1, so that the activation needs no kernel of its own). One row only: computed
+    inside the tile of `tl.dot` it made the maps of 2–64 rows 2× slower on an H200.
     residual [..., N]: added to the product in fp32 before the one rounding (the layer's last
     residual add, which would otherwise be a kernel of its own).
-    norm_weight [K]: the map takes `rms_norm(x, norm_weight, eps)` of each row (the RMSNorm before
-    it, whose sums of squares come from the loads the product makes anyway; one kernel fewer. At
-    most `FEW_ROWS` rows, as gated)."""
-    out_features, features = weight.shape
-    folded = gated or norm_weight is not None
-    flat, tile = _rows(x, folded)
+    norm_weight [K]: the map takes `rms_norm(x, norm_weight, eps)` of one row (the RMSNorm before
+    it, whose sum of squares comes from the loads the product makes anyway; one kernel fewer. One
+    row only, as gated)."""
+    flat, tile = _rows(x)
     rows = flat.shape[0]
+    out_features, features = weight.shape
+    one_row_only = gated or norm_weight is not None
     if (
         flat.shape[1] != (2 if gated else 1) * features
-        or (folded and rows > FEW_ROWS)
+        or (one_row_only and rows != 1)
         or (gated and norm_weight is not None)
     ):
         raise ValueError(
@@ -468,7 +428,7 @@ def qkv_rope_cache(
 ) -> torch.Tensor:
     """A Llama attention's fused q|k|v map with what follows it up to the attention, in one kernel:
     x [B, S, K] (at most `MAX_ROWS` tokens; `rms_norm(x, norm_weight, eps)` where norm_weight is
-    given, at most `FEW_ROWS` tokens, as `skinny_linear`'s) @ weight [(H + 2·Hkv)·d, K]ᵀ, q and k rotated by cos/sin [B, S, d] (`apply_rotary`),
+    given, one token only, as `skinny_linear`'s) @ weight [(H + 2·Hkv)·d, K]ᵀ, q and k rotated by cos/sin [B, S, d] (`apply_rotary`),
     k and v written into the caches [B, L, Hkv, d] at slots [B, S] → q [B, S, H, d]. Three
     elementwise kernels fewer per layer than the map and Inductor's rotary and cache writes. The
     slots are the caller's to keep inside the cache (checking them would synchronize the step)."""
@@ -479,7 +439,7 @@ def qkv_rope_cache(
         not fits_qkv_rope_cache(weight.shape[0], dim, kv_heads)
         or x.shape != (batch, new, features)
         or weight.shape[1] != features
-        or (norm_weight is not None and batch * new > FEW_ROWS)
+        or (norm_weight is not None and batch * new != 1)
         or v_cache.shape != k_cache.shape
         or k_cache.dtype != v_cache.dtype
         or k_cache.stride(-1) != 1
@@ -491,7 +451,7 @@ def qkv_rope_cache(
             f"qkv_rope_cache: x {tuple(x.shape)}, weight {tuple(weight.shape)}, caches "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}, cos {tuple(cos.shape)}, slots {tuple(slots.shape)}"
         )
-    flat, tile = _rows(x, norm_weight is not None)
+    flat, tile = _rows(x)
     q = x.new_empty(batch, new, heads, dim)
     cos, sin = (t.reshape(-1, dim) for t in (cos, sin))
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
@@ -554,23 +514,12 @@ _linear_kernel = "auto"
 _folds = True
 
 
-def use_row_products(up_to: int = FEW_ROWS) -> None:
-    """Maps of up to `up_to` rows (0 to `FEW_ROWS`; `FEW_ROWS` by default) run `_row_products`,
-    multiplied and summed along K without `tl.dot`, and take their RMSNorm and SiLU·up in their
-    loads and PDL at their launch as one row's do; more rows run a tile of `tl.dot`, whose x
-    goes in as loaded. `bench_verify_cost --row-products 1` measures the tiles at 2–8 rows."""
-    global _row_products_up_to
-    if not 0 <= up_to <= FEW_ROWS:
-        raise ValueError(f"row products up to {up_to} rows: 0 to {FEW_ROWS}")
-    _row_products_up_to = up_to
-
-
 def use_linear_kernel(name: str, folds: bool = True) -> None:
     """Which kernel `project` runs for a map of at most `MAX_ROWS` rows in 16 bits on CUDA:
     "cublas" (`F.linear`), "skinny" (`skinny_linear`), or "auto", the default: "skinny" inside
     compiled layers, "cublas" elsewhere (eager layers are bound by launches, not reads).
     folds: whether the skinny maps also take the layer's work around them (the RMSNorms, the
-    rotary and cache writes after q|k|v, SiLU·up of a few rows, the residual adds: `project`,
+    rotary and cache writes after q|k|v, SiLU·up at one row, the residual adds: `project`,
     `project_gated`, `project_qkv`); off, that work runs in the compiled layer's own kernels."""
     global _linear_kernel, _folds
     if name not in LINEAR_KERNELS:
@@ -602,9 +551,8 @@ def project_gated(
 ) -> torch.Tensor:
     """`residual + linear(silu(gate) · up)` of gate_up = [gate | up] (a gated MLP's down_proj;
     no residual: the map alone). Where `project` would run `skinny_linear` and fold, the residual is
-    added in its epilogue, and for a few rows (`use_row_products`) the activation is computed in its
-    loads."""
-    if _runs_skinny(linear, gate_up) and _folds and _few_rows(gate_up):
+    added in its epilogue, and for one row the activation is computed in its loads."""
+    if _runs_skinny(linear, gate_up) and _folds and gate_up.numel() == gate_up.shape[-1]:
         if _folds_residual(residual, gate_up):
             return skinny_linear(gate_up, linear.weight, True, residual)
         return _added(residual, skinny_linear(gate_up, linear.weight, True))
@@ -649,7 +597,7 @@ def _normed_unless_folded(
     norm: torch.nn.Module | None, x: torch.Tensor
 ) -> tuple[torch.Tensor, RMSNorm | None]:
     """(x, norm) where the kernel folds the norm; else (norm(x), None): a norm it does not take
-    (a tile of rows, another kind of norm, an nn.Identity) runs first, as its own operation."""
+    (more than one row, another kind of norm, an nn.Identity) runs first, as its own operation."""
     if norm is None or _folds_norm(norm, x):
         return x, norm
     return norm(x), None
@@ -657,13 +605,8 @@ def _normed_unless_folded(
 
 def _folds_norm(norm: RMSNorm | None, x: torch.Tensor) -> bool:
     # the project's RMSNorm only (a subclass may compute another norm), over the map's features,
-    # of a few rows (`_tile_product` takes x as loaded)
-    return _folds and type(norm) is RMSNorm and norm.weight.shape == x.shape[-1:] and _few_rows(x)
-
-
-def _few_rows(x: torch.Tensor) -> bool:
-    """Whether x's rows run `_row_products` (`use_row_products`), where the norm and SiLU·up fold."""
-    return x.numel() <= _row_products_up_to * x.shape[-1]
+    # of one row (`_tile_product` takes x as loaded)
+    return _folds and type(norm) is RMSNorm and norm.weight.shape == x.shape[-1:] and x.numel() == x.shape[-1]
 
 
 def _folds_residual(residual: torch.Tensor | None, x: torch.Tensor) -> bool:

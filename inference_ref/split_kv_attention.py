@@ -162,7 +162,7 @@ def split_kv_attention(
     lse = torch.empty(batch * kv_heads * splits * rows, device=q.device, dtype=torch.float32)
     out = q.new_empty(q.shape)  # contiguous, as the fake below says
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit dots
-    pdl = launch_options(q.device, batch * new == 1)
+    pdl = launch_options(q.device, batch * new)
     _split_kv_attention_partial[(batch * kv_heads, splits)](
         q, k_cache, v_cache, lengths, part, lse,
         lengths.stride(0), q.stride(0), q.stride(1), q.stride(2),

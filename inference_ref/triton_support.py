@@ -33,7 +33,7 @@ def runs_on(device_type: str) -> bool:
 
 
 def use_pdl(on: bool = True) -> None:
-    """Whether a few rows' kernels launch with PDL where the GPU has it (`launch_options`, the module
+    """Whether one row's kernels launch with PDL where the GPU has it (`launch_options`, the module
     docstring); on by default. In an A/B on one H100 (2026-12-06, docs/benchmarks.md) it made the
     8B shape's decode step at batch 1 3.9 % faster (5.53 → 5.31 ms, twice) and left the other
     steps as they were (the tiles launch without it; the 70B shape's longer maps gained nothing).
@@ -60,12 +60,13 @@ def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def launch_options(device, few_rows: bool) -> dict:
-    """The PDL constexpr of a kernel on `device`, and the launch option that goes with it: with
-    `use_pdl` (the default), for a kernel over a few rows (`few_rows`: the maps' `_row_products`,
-    the attention of one query token; the tiles of 16-64 rows ran up to 3 % slower with PDL on an
-    H100), on Hopper and later. Never under the interpreter, which has no grid dependency control."""
-    pdl = few_rows and device.type == "cuda" and not INTERPRETED and _pdl and _has_pdl(_index(device))
+def launch_options(device, rows: int) -> dict:
+    """The PDL constexpr of a kernel on `device` over `rows` rows of x (query tokens for the
+    attention), and the launch option that goes with it: with `use_pdl` (the default), for one row (a
+    decode step at batch 1; the tiles of 16-64 rows ran up to 3 % slower with PDL on an H100), on
+    Hopper and later.
+    Never under the interpreter, which has no grid dependency control."""
+    pdl = rows == 1 and device.type == "cuda" and not INTERPRETED and _pdl and _has_pdl(_index(device))
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
 
 

@@ -18,7 +18,7 @@ from inference_ref.attention import cache_mask, use_cached_kernel
 from inference_ref.causal_lm import rms_norm
 from inference_ref.models.llama import apply_rotary, random_llama
 from inference_ref.models.qwen3 import Qwen3Config, random_qwen3
-from inference_ref.skinny_linear import FEW_ROWS, qkv_rope_cache, skinny_linear, use_linear_kernel
+from inference_ref.skinny_linear import qkv_rope_cache, skinny_linear, use_linear_kernel
 from inference_ref.split_kv_attention import split_kv_attention
 from tiny import tiny_llama
 
@@ -69,10 +69,9 @@ def check_split_kv(device: str, dtype: torch.dtype) -> None:
 
 
 def check_skinny(device: str, dtype: torch.dtype) -> None:
-    """Rows 1–64 (leading dimensions kept; up to `FEW_ROWS` the row products, more a tile of
-    `tl.dot`), features not multiples of the tiles; plain and gated (silu(gate) · up of x =
-    [gate | up], against the activation rounded to the dtype, as it is before the map), with and
-    without a residual added, with and without the RMSNorm before it (a few rows only)."""
+    """Rows 1–64 (leading dimensions kept), features not multiples of the tiles; plain and gated
+    (silu(gate) · up of x = [gate | up], against the activation rounded to the dtype, as it is
+    before the map), with and without a residual added, with and without the RMSNorm before it."""
     torch.manual_seed(0)
     cases = [
         ((1, 1, 96), 40),
@@ -95,25 +94,25 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
         )
         assert err < tolerance(dtype), ("residual", x_shape, out_features, err)
         g = 1 + 0.5 * torch.randn(x_shape[-1], device=device, dtype=dtype)
-        if x.numel() > FEW_ROWS * x.shape[-1]:  # the norm: a few rows only
+        if x.numel() > x.shape[-1]:  # the norm: one row only
             try:
                 skinny_linear(x, w, False, None, g, 1e-5)
             except ValueError:
                 continue
-            raise AssertionError(f"skinny_linear normed {x_shape}: at most {FEW_ROWS} rows")
+            raise AssertionError(f"skinny_linear normed {x_shape}: one row only")
         normed = F.linear(rms_norm(3 * x.double(), g.double(), 1e-5), w.double())
         for r in (None, residual):
             got = skinny_linear(3 * x, w, False, r, g, 1e-5)
             err = relative_error(got, normed if r is None else normed + r)
             assert err < tolerance(dtype), ("norm", r is None, x_shape, out_features, err)
-    for rows, features, out_features in ((1, 96, 40), (1, 4096, 24), (1, 100, 17), (5, 96, 40)):  # gated
-        gate_up = torch.randn(1, rows, 2 * features, device=device, dtype=dtype)
+    for features, out_features in ((96, 40), (4096, 24), (100, 17)):  # gated: one row
+        gate_up = torch.randn(1, 1, 2 * features, device=device, dtype=dtype)
         w = torch.randn(out_features, features, device=device, dtype=dtype)
         gate, up = gate_up.double().chunk(2, dim=-1)
         activation = (F.silu(gate) * up).to(dtype).double()
         err = relative_error(skinny_linear(gate_up, w, True), F.linear(activation, w.double()))
         assert err < tolerance(dtype), ("gated", features, out_features, err)
-        residual = torch.randn(1, rows, out_features, device=device, dtype=dtype)
+        residual = torch.randn(1, 1, out_features, device=device, dtype=dtype)
         want = F.linear(activation, w.double()) + residual
         err = relative_error(skinny_linear(gate_up, w, True, residual), want)
         assert err < tolerance(dtype), ("gated, residual", features, out_features, err)
@@ -132,14 +131,13 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
 
 
 def check_qkv_rope_cache(device: str, dtype: torch.dtype) -> None:
-    """q|k|v of the rows (and of a few normed rows), q and k rotated, k and v written at each row's
+    """q|k|v of the rows (and of one normed row), q and k rotated, k and v written at each row's
     slots (consecutive, and scattered as a token tree's are), against the same steps in PyTorch in
     fp64: q, the entries written, and the caches' other entries exactly as they were."""
     torch.manual_seed(0)
     cases = [  # batch, new tokens, query heads, K/V heads, head size, features, cache capacity
         (1, 1, 4, 2, 16, 64, 40),
         (1, 1, 32, 8, 128, 96, 20),
-        (1, 5, 8, 2, 32, 96, 20),
         (3, 4, 8, 2, 32, 96, 50),
         (2, 8, 4, 4, 64, 48, 30),
         (8, 8, 4, 1, 16, 40, 20),
@@ -161,7 +159,7 @@ def check_qkv_rope_cache(device: str, dtype: torch.dtype) -> None:
         untouched = torch.ones(batch, capacity, dtype=torch.bool, device=device)
         untouched[rows, slots] = False
         before = k_cache.clone(), v_cache.clone()
-        for norm in (None, g) if batch * new <= FEW_ROWS else (None,):  # the norm: a few rows only
+        for norm in (None, g) if batch * new == 1 else (None,):  # the norm: one row only
             case = (norm is None, batch, new, heads, kv_heads, dim)
             want = qkv_reference(x, w, norm, cos, sin, heads, kv_heads, dim)
             got = qkv_rope_cache(x, w, norm, 1e-5, cos, sin, k_cache, v_cache, slots)
@@ -201,21 +199,16 @@ def qkv_reference(x, w, norm, cos, sin, heads: int, kv_heads: int, dim: int) -> 
 def check_block_shapes(device: str, dtype: torch.dtype) -> None:
     """Every block shape the GPU's tuning may choose, forced one at a time (the tuning keeps only the
     fastest, and the interpreter runs one): `skinny_linear` plain, normed with a residual and gated
-    at one row and at 2–8 (the row products), and plain with a tile of rows (split K: over a K of
-    several shares, and with a residual); `qkv_rope_cache` at a few normed rows and with a tile of
-    rows. Each shape of 2–8 rows is forced at one of the tiles that offer it (2, 4 or 8 in turn;
-    on a GPU, where ROWS is a constant that each compiles, at all), and each row-tile shape at one
-    of the tiles that offer it (16, 32 or 64 rows in turn; split K at 64 only); on a GPU the
-    swapped ones at all three (the interpreter compiles nothing: the rows change only the masks
-    and shapes there). On a GPU a
+    at one row, and plain with a tile of rows (split K: over a K of several shares, and with a
+    residual); `qkv_rope_cache` at one normed row and with a tile of rows. Each row-tile shape is
+    forced at one of the tiles that offer it (16, 32 or 64 rows in turn; split K at 64 only); on a
+    GPU, where a row tile compiles a dot of its own (ROWS is a constant), the swapped ones at all
+    three (the interpreter compiles nothing: the rows change only the masks there). On a GPU a
     shape past its shared memory or registers is left out, as the tuning leaves it out
     (`skinny_linear._timed`); every other one must run."""
     import inference_ref.skinny_linear as skinny
 
     forced = [(1, shape) for shape in skinny._candidates(1, gpu=True)]
-    for i, shape in enumerate(skinny._candidates(2, gpu=True)):  # 4 and 8 rows take fewer
-        tiles = [tile for tile in (2, 4, 8) if shape in skinny._candidates(tile, gpu=True)]
-        forced += [(tile, shape) for tile in (tiles if device == "cuda" else [tiles[i % len(tiles)]])]
     for i, shape in enumerate(skinny._candidates(skinny.MAX_ROWS, gpu=True)):
         tiles = [tile for tile in (16, 32, 64) if shape in skinny._candidates(tile, gpu=True)]
         every_tile = shape["SWAP"] and device == "cuda"
@@ -247,9 +240,9 @@ def check_block_shape(skinny, tile: int, shape: dict, device: str, dtype: torch.
     # split K in 2: the first share whole, the second a few features; in 4 shares of one K step of
     # 64, K = 72 leaves the last two empty
     features = 72 if shape["SPLIT"] in (1, 4) else shape["SPLIT"] * shape["BLOCK_K"] - 40
-    # a few rows: a program per 1–32 outputs, each a Python loop under the interpreter, so fewer outputs
+    # one row: a program per 1–16 outputs, each a Python loop under the interpreter, so fewer outputs
     # (41: a last block short of full at every BLOCK_N) and heads of 16; row tiles: blocks up to 256
-    outputs, dim = (41, 16) if tile < 16 else (200, 128)
+    outputs, dim = (41, 16) if tile == 1 else (200, 128)
     w = torch.randn(outputs, features, device=device, dtype=dtype) / features**0.5
     g = 1 + 0.5 * torch.randn(features, device=device, dtype=dtype)
     w_qkv = torch.randn(4 * dim, features, device=device, dtype=dtype) / features**0.5  # 2 + 2 · 1 heads
@@ -261,10 +254,10 @@ def check_block_shape(skinny, tile: int, shape: dict, device: str, dtype: torch.
     cases = [((x, w), F.linear(x.double(), w.double()))]
     if tile > 1 and shape["SPLIT"] > 1:  # the residual added by `_sum_splits` (`check_skinny`: unsplit)
         cases.append(((x, w, False, r), F.linear(x.double(), w.double()) + r))
-    elif tile < 16:
+    elif tile == 1:
         normed = F.linear(rms_norm(x.double(), g.double(), 1e-5), w.double())
         cases.append(((x, w, False, r, g, 1e-5), normed + r))
-        gate_up = torch.randn(rows, 2 * features, device=device, dtype=dtype)
+        gate_up = torch.randn(1, 2 * features, device=device, dtype=dtype)
         gate, up = gate_up.double().chunk(2, -1)
         cases.append(((gate_up, w, True), F.linear((F.silu(gate) * up).to(dtype).double(), w.double())))
     for args, want in cases:
@@ -272,8 +265,8 @@ def check_block_shape(skinny, tile: int, shape: dict, device: str, dtype: torch.
         assert err < tolerance(dtype), ("skinny", tile, shape, len(args), err)
     rope = skinny.holds_rotary_pairs(shape, dim)
     if rope:
-        batch, new = (1, rows) if tile < 16 else (rows // 4 + 1, 4)
-        check_qkv_shape(w_qkv, g if tile < 16 else None, batch, new, dim, device, dtype, shape)
+        batch, new = (1, 1) if tile == 1 else (rows // 4 + 1, 4)
+        check_qkv_shape(w_qkv, g if tile == 1 else None, batch, new, dim, device, dtype, shape)
     assert len(launched) == len(cases) + rope, ("launches", tile, shape, launched)
 
 
@@ -294,8 +287,8 @@ def check_qkv_shape(w, norm, batch: int, new: int, dim: int, device, dtype, shap
 def check_model_steps(device: str, dtype: torch.dtype, compiled: bool = False) -> None:
     """A Llama target's decode and verify steps through both kernels, with the layer's work folded
     into the maps and without, equal SDPA's and cuBLAS's on the same cache: rows of three lengths,
-    and one row, 1 and 3 new tokens (up to 8 rows, the row products with the norms and SiLU·up
-    folded; 9, a tile of `tl.dot`), the states and the cache writes. A Qwen3 target too, eagerly (its q/k norms keep the rotary and cache writes out
+    and one row (whose decode takes the gated down_proj), 1 and 3 new tokens, the states and the
+    cache writes. A Qwen3 target too, eagerly (its q/k norms keep the rotary and cache writes out
     of the q|k|v map)."""
     models = [random_llama(tiny_llama(), device, dtype, seed=0)]
     if not compiled:  # the same kernel calls, compiled: the Llama target's cover Inductor's side
@@ -341,7 +334,7 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
 def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
     """Decode and 3-token verify steps through both kernels replayed from CUDA graphs captured with
     PDL and without equal the same steps run eagerly without it, three in a row, for three rows
-    and for one. With it a few rows' kernels launch with programmatic dependent launch on Hopper
+    and for one. With it one row's kernels launch with programmatic dependent launch on Hopper
     (`triton_support`): each waits for the kernel before inside, which a graph keeps as an edge
     of its own; one that read its input before the wait would read the last replay's."""
     from inference_ref.decode_graph import DecodeStep
@@ -363,7 +356,9 @@ def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
             eager = DecodeStep(model, cache, new, graph=False)
             use_pdl(pdl)  # the graph keeps the launches it captures
             graphed = DecodeStep(model, cache, new, graph=True)
-            assert launch_options(cache.lengths.device, True)["PDL"] == (pdl and hopper)
+            assert launch_options(cache.lengths.device, rows * new)["PDL"] == (
+                pdl and hopper and rows * new == 1
+            )
             use_pdl(False)
             for _ in range(3):
                 ids = torch.randint(0, model.cfg.vocab_size, (rows, new), device=device)
@@ -411,21 +406,20 @@ def compile_for_hopper(kernel: str) -> list[str]:
         return f"{fn.__name__} {constants} {options}: {binary.metadata.shared} B shared"
 
     shapes = [
-        (1, 2, 2048, 4, 1, False, 1), (1, 16, 512, 8, 4, False, 1), (2, 2, 2048, 8, 1, False, 1),
-        (8, 32, 128, 8, 3, False, 1), (16, 16, 256, 4, 4, False, 1),
+        (1, 2, 2048, 4, 1, False, 1), (1, 16, 512, 8, 4, False, 1), (16, 16, 256, 4, 4, False, 1),
         (64, 128, 64, 4, 4, False, 1), (16, 64, 128, 4, 4, True, 1), (64, 128, 128, 8, 3, True, 1),
         (64, 64, 128, 4, 5, False, 2), (64, 256, 64, 8, 3, True, 4),
     ]  # fmt: skip
     tile = {"PRECISION": "tf32"}
     done = []
 
-    def launched(rows: int) -> tuple[bool, ...]:  # PDL as `skinny_linear._launch_options` may launch them
-        return (False, True) if rows < 16 else (False,)
+    def launched(rows: int) -> tuple[bool, ...]:  # PDL as `triton_support.launch_options` may launch them
+        return (False, True) if rows == 1 else (False,)
 
     if kernel == "skinny":
         pointers, scalars = "X W Y R G P", "M N K stride_xm stride_wn stride_ym stride_rm eps"
         for rows, n, k, warps, stages, swap, split in shapes:
-            for gated, residual, norm in ((False, False, rows < 16), (rows < 16, True, False)):
+            for gated, residual, norm in ((False, False, rows == 1), (rows == 1, True, False)):
                 for pdl in launched(rows):
                     flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap, SPLIT=split, PDL=pdl)
                     constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags)
@@ -443,7 +437,7 @@ def compile_for_hopper(kernel: str) -> list[str]:
         for rows, n, k, warps, stages, swap, split in shapes:
             if split > 1:  # not a shape it takes (`skinny_linear._rope_candidates`)
                 continue
-            for norm, pdl in itertools.product({rows < 16, False}, launched(rows)):
+            for norm, pdl in itertools.product({rows == 1, False}, launched(rows)):
                 constants = dict(
                     **heads, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, NORM=norm, SWAP=swap, PDL=pdl
                 )

@@ -71,11 +71,10 @@ def test_kernels_compile_for_an_h100_or_h200(kernel):
     assert compile_for_hopper(kernel)
 
 
-def test_pdl_is_on_by_default_for_a_few_rows_kernels_on_hopper_only(monkeypatch):
-    """Programmatic dependent launch is on by default for kernels over a few rows (the maps' row
-    products of 1-8 rows, one query token's attention), on a GPU that has it; never for tiles of
-    `tl.dot`, a CPU, the interpreter (whose kernels would not compile with it), or a map whose
-    weights are copied first; `use_pdl(False)` turns it off."""
+def test_pdl_is_on_by_default_for_one_rows_kernels_on_hopper_only(monkeypatch):
+    """Programmatic dependent launch is on by default for kernels over one row, on a GPU that has
+    it; never for tiles, a CPU, the interpreter (whose kernels would not compile with it), or a map
+    whose weights are copied first; `use_pdl(False)` turns it off."""
     import torch
 
     from inference_ref import skinny_linear, triton_support
@@ -86,23 +85,20 @@ def test_pdl_is_on_by_default_for_a_few_rows_kernels_on_hopper_only(monkeypatch)
     on = {"PDL": True, "launch_pdl": True}
     assert triton_support.uses_pdl()  # the default
     try:
-        assert triton_support.launch_options(hopper, True) == on
+        assert triton_support.launch_options(hopper, 1) == on
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        assert triton_support.launch_options(torch.device("cuda"), True) == on  # the current GPU
+        assert triton_support.launch_options(torch.device("cuda"), 1) == on  # the current GPU
         weight = torch.zeros(8, 16)
-        for tile in (1, 2, 8):
-            assert skinny_linear._launch_options(hopper, tile, weight) == on, tile
+        assert skinny_linear._launch_options(hopper, 1, weight) == on
         # a copy of the weights is a kernel that writes them just before the map reads them early
         assert skinny_linear._launch_options(hopper, 1, weight.t()) == {"PDL": False}
-        for tile in (16, 64):
-            assert skinny_linear._launch_options(hopper, tile, weight) == {"PDL": False}, tile
-        for device, few in ((hopper, False), (older, True), (cpu, True)):
-            assert triton_support.launch_options(device, few) == {"PDL": False}, (device, few)
+        for device, rows in ((hopper, 16), (hopper, 64), (older, 1), (cpu, 1)):
+            assert triton_support.launch_options(device, rows) == {"PDL": False}, (device, rows)
         monkeypatch.setattr(triton_support, "INTERPRETED", True)
-        assert triton_support.launch_options(hopper, True) == {"PDL": False}
+        assert triton_support.launch_options(hopper, 1) == {"PDL": False}
         monkeypatch.setattr(triton_support, "INTERPRETED", False)
         triton_support.use_pdl(False)
-        assert triton_support.launch_options(hopper, True) == {"PDL": False}
+        assert triton_support.launch_options(hopper, 1) == {"PDL": False}
     finally:
         triton_support.use_pdl(True)
 
