@@ -28,7 +28,8 @@
 # k_mixed_skinny and the unfolded ones): 8B verifies within 1.1x, decode at batch 1 74.0 % (75.1 %
 # with the block shapes added after it), 70B verifies at batch 8 of 6-8 tokens 1.14-1.20x (run 6).
 # Run 7 (2026-12-06, fifth session, an H100): the PDL A/B below and `t` (passed); PDL now on by
-# default. Still to run on an H200: s70_*, o8_* (PDL there) and t.
+# default. Run 8 (2026-12-06, sixth session, an H100): 2-8 rows without tl.dot, 1.06-2.9x slower
+# than the tiles, taken back (docs/benchmarks.md). Still to run on an H200: s70_*, o8_* (PDL there) and t.
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
