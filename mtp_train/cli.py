@@ -1,6 +1,7 @@
 """What every entry point does with a mistake its user made: one line naming the file or field and
 the fix, exit code 2, no traceback (`HYDRA_FULL_ERROR=1` shows it); and its `--help`, answered
-before the entry point imports torch (this module imports nothing heavy)."""
+before the entry point imports torch (this module imports nothing heavy); and the recipe composed
+in-process (`compose_recipe`), for the demo and the tests."""
 
 from __future__ import annotations
 
@@ -39,6 +40,17 @@ def answer_help_first(module: str, file: str, usage: str | None = None) -> None:
     # Hydra names the app after the task function's module: this stage's, not this one's.
     stage.__module__ = f"mtp_train.{Path(file).stem}"
     hydra.main(config_path=str(RECIPES), config_name="config", version_base=None)(stage)()
+
+
+def compose_recipe(overrides: list[str]):
+    """`recipes/config.yaml` composed in-process with `overrides`, as an entry point composes it from
+    its command line (the demo's settings, the tests' configs)."""
+    from hydra import compose, initialize_config_dir
+
+    import mtp_train.config  # noqa: F401  (registers the schema the recipes compose)
+
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        return compose("config", overrides=overrides)
 
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, FloatingPointError)

@@ -13,13 +13,11 @@ import time
 from importlib.util import find_spec
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import mtp_train.config  # noqa: F401  (registers the schema the recipes compose)
+from mtp_train.cli import compose_recipe
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPES = REPO / "recipes"
 
 # Sized for a 2-core laptop: a few hundred self-distilled answers, a few minutes of training.
 DEMO = [
@@ -79,8 +77,7 @@ def demo_settings() -> list[str]:
 
 
 def demo_config(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        cfg = compose("config", overrides=demo_settings() + list(overrides))
+    cfg = compose_recipe(demo_settings() + list(overrides))
     OmegaConf.resolve(cfg)  # stages receive sub-configs; resolve cross-references once, here
     return cfg
 

@@ -4,26 +4,14 @@ shared assertions."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
 from inference_ref.generate import at_positions
 from inference_ref.models import TARGET_KINDS
 from inference_ref.models.deepseek_v2 import DeepseekV2Config
 from inference_ref.models.llama import LlamaConfig
-
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-
-
-def recipe(overrides: list[str]) -> DictConfig:
-    """`recipes/config.yaml` composed with the command line's `overrides`, as the entry points see it."""
-    import mtp_train.config  # noqa: F401  (registers the schema the recipe names)
-
-    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        return compose("config", overrides=overrides)
+from mtp_train.cli import compose_recipe as recipe  # noqa: F401  (the tests compose their configs with it)
 
 
 def tiny_llama(**changes) -> LlamaConfig:
