@@ -101,14 +101,6 @@ run o70_off $v $k70s --no-pdl --tag pdl_ab
 run o70_on $v $k70s --pdl --tag pdl_ab
 run o8_off_again $o8 --no-pdl --tag pdl_ab_again
 run o8_on_again $o8 --pdl --tag pdl_ab_again
-# the tuning's steadier picks (2026-12-06, seventh session: near-ties timed again in interleaved
-# rounds, `skinny_linear.fastest`): the same steps in three processes, their JSONs' skinny_configs
-# and times side by side (run 9 on an H100, one 20 ms timing each: 5 of 12 picks moved between
-# processes and the 8-token verify at batch 1 took 5.90-6.07 ms). Runs on an H100 as well.
-st="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 8 --cached-kernel split --linear-kernel skinny"
-run st1 $st --tag steady_1
-run st2 $st --tag steady_2
-run st3 $st --tag steady_3
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny

@@ -12,8 +12,7 @@ its x tile from L2 for each block of weights it reads, as many bytes as the weig
 64, and splitting K keeps every SM busy with blocks two to four times wider (on an H100 the tuning
 chose none at 64 rows: docs/benchmarks.md, "Split K for the row tiles").
 The block shape is timed once per (map shape, row tile), on the first call outside a CUDA graph's
-capture (a few seconds per map shape, mostly Triton compiling each candidate; `_block_shape`), the
-fastest few timed again in interleaved rounds (`fastest`: near-ties were decided by noise).
+capture (a few seconds per map shape, mostly Triton compiling each candidate; `_block_shape`).
 A gated MLP's down_proj adds the layer's residual in its epilogue, and for one row takes
 [gate | up] and computes SiLU·up in its loads (`project_gated`): two kernels fewer per layer.
 
@@ -302,50 +301,18 @@ _tuned: dict[tuple, dict] = {}
 
 
 def _block_shape(key: tuple, launch, candidates: list[dict]) -> dict:
-    """The fastest of `candidates` for `key`, chosen once (`fastest`; `launch(shape)` runs it). Never
+    """The fastest of `candidates` for `key`, timed once (`launch(shape)` runs the kernel). Never
     timed while a CUDA graph is being captured (timing synchronizes, which would break the
     capture): the first candidate serves there, unremembered, until an uncaptured call times them."""
     if key in _tuned:
         return _tuned[key]
     if INTERPRETED or torch.cuda.is_current_stream_capturing():
         return candidates[0]
-    chosen = fastest(candidates, lambda shape: _timed(launch, shape))
-    if chosen is None:
+    times = [_timed(launch, c) for c in candidates]
+    if min(times) == float("inf"):
         raise RuntimeError(f"skinny_linear: no block shape runs for {key}")
-    _tuned[key] = chosen
-    return chosen
-
-
-FINALISTS = 4
-"""How many of the first round's fastest candidates `fastest` times again."""
-NEAR = 0.05
-"""A finalist is within this share of the first round's fastest time."""
-ROUNDS = 5
-"""The finalists' rounds, each timing every finalist once, in an order turned round by round."""
-
-
-def fastest(candidates: list, time) -> object | None:
-    """The candidate `time(candidate)` finds fastest (None when none runs: every time inf).
-    Every candidate is timed once (20 ms of launches); those within `NEAR` of the fastest (at most
-    `FINALISTS`) are timed again in `ROUNDS` interleaved rounds and ranked by their median round.
-    Why: one 20 ms timing of each decided near-ties by noise, and a map of 10-15 µs has many; three
-    processes on one H100 picked differently for 5 of 12 maps, and the same verify step took
-    5.90-6.07 ms (docs/benchmarks.md, run 9). Interleaving spreads clock and thermal drift over
-    every finalist alike."""
-    first = [time(candidate) for candidate in candidates]
-    best = min(first)
-    if best == float("inf"):
-        return None
-    ranked = sorted(range(len(candidates)), key=first.__getitem__)
-    finalists = [i for i in ranked[:FINALISTS] if first[i] <= best * (1 + NEAR)]
-    if len(finalists) == 1:
-        return candidates[finalists[0]]
-    rounds: dict[int, list[float]] = {i: [] for i in finalists}
-    for turn in range(ROUNDS):
-        for i in finalists[turn % len(finalists) :] + finalists[: turn % len(finalists)]:
-            rounds[i].append(time(candidates[i]))
-    median = {i: sorted(times)[len(times) // 2] for i, times in rounds.items()}
-    return candidates[min(finalists, key=median.__getitem__)]
+    _tuned[key] = candidates[times.index(min(times))]
+    return _tuned[key]
 
 
 def _timed(launch, shape: dict) -> float:

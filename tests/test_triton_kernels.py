@@ -110,23 +110,3 @@ def test_split_kv_takes_the_head_sizes_and_tiles_it_can():
     assert not fits(1, 32, 8, 96)  # tl.arange takes powers of 2: SDPA serves this head size
     assert not fits(1, 4, 2, 8)  # tl.dot takes 16 or more
     assert not fits(17, 32, 8, 128)  # 68 query rows per K/V head: more than one tile
-
-
-def test_the_tuning_times_near_ties_again_and_takes_the_steadier_pick():
-    """The first round's 20 ms timings rank b ahead of a by noise; the interleaved rounds find a
-    faster, leave out c (more than 5 % slower) and never pick what does not run."""
-    from inference_ref.skinny_linear import ROUNDS, fastest
-
-    first = {"a": 10.3, "b": 10.0, "c": 11.0, "d": float("inf")}
-    again = {"a": [10.0, 9.9, 10.1, 9.9, 10.0], "b": [10.2, 10.4, 9.8, 10.3, 10.2]}
-    calls = []
-
-    def time(candidate):
-        calls.append(candidate)
-        seen = calls.count(candidate)
-        return first[candidate] if seen == 1 else again[candidate][seen - 2]
-
-    assert fastest(list(first), time) == "a"
-    assert calls[4:] == ["b", "a", "a", "b"] * (ROUNDS // 2) + ["b", "a"]  # turned round by round
-    assert fastest(["c", "d"], lambda candidate: first[candidate]) == "c"  # one finalist: no rounds
-    assert fastest(["d"], lambda candidate: first[candidate]) is None
