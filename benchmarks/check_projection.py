@@ -6,6 +6,12 @@ acceptance and `verify_cost_<shape>.json`. The prompts' prefill, the same in bot
 not in the model, is timed alone and taken out of both.
 
     python -m benchmarks.check_projection --shape smollm2_135m --batch 80 --k 4
+    python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --compiled-layers \
+        --costs benchmarks/results/verify_cost_llama3_8b_split_skinny_compiled.json
+
+With --compiled-layers the target's layers run compiled (`CausalLM.compile_layers`: the split-key
+attention and the skinny maps, the serving defaults), and the projection should take the step
+costs measured that way (`bench_verify_cost --compiled-layers`, given as --costs).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -45,9 +52,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=80)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--new", type=int, default=128)
+    p.add_argument("--compiled-layers", action="store_true", help="the target's layers compiled")
+    p.add_argument("--costs", help="the step costs to project with (default: verify_cost_<shape>.json)")
     args = p.parse_args()
+    costs_path = Path(args.costs) if args.costs else RESULTS / f"verify_cost_{args.shape}.json"
+    costs = json.loads(costs_path.read_text())  # read first: a wrong path fails before the runs
     cfg = shape(args.shape)
     target = TARGET_KINDS[cfg.model_type].random(cfg, DEVICE, DTYPE, 0)
+    if args.compiled_layers:
+        target.compile_layers()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (1024,), generator=g).tolist() for _ in range(args.batch)]
     with tempfile.TemporaryDirectory() as d:
@@ -69,13 +82,16 @@ def main() -> None:
         )
     stats = box[0].stats
     measured = (base - prefill_s) / (spec - prefill_s)
-    costs = json.loads((RESULTS / f"verify_cost_{args.shape}.json").read_text())
     projected = speedup(stats.accept_rate, args.k, costs, str(args.batch))
     # (a random head's τ is 1: what is checked is the cost accounting, whatever the acceptance)
     write_result(
-        f"projection_check_{args.shape}_b{args.batch}_k{args.k}",
+        f"projection_check_{args.shape}_b{args.batch}_k{args.k}"
+        + ("_compiled" if args.compiled_layers else ""),
         {
             "shape": args.shape,
+            "compiled_layers": args.compiled_layers,
+            "compiled_layers_ran": target.runs_compiled("cached"),  # false after a fallback
+            "costs": costs_path.name,
             "batch": args.batch,
             "k": args.k,
             "new_tokens": args.new,

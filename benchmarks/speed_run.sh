@@ -101,6 +101,16 @@ run o70_off $v $k70s --no-pdl --tag pdl_ab
 run o70_on $v $k70s --pdl --tag pdl_ab
 run o8_off_again $o8 --no-pdl --tag pdl_ab_again
 run o8_on_again $o8 --pdl --tag pdl_ab_again
+# the projected speed-ups with the kernels' step costs (#36: redo them with the new step costs,
+# checked against the graphed loop): verifies of 1-5 tokens (chains of k <= 4), the loop with the
+# target's layers compiled (the split-key attention and skinny maps, as serving runs them) at
+# batches 1 and 8, then the costs at batches 32 and 64 for the projection's table
+kp="$v --shape llama3_8b --compiled-layers --new-tokens 1 2 3 4 5 --cached-kernel split --linear-kernel skinny"
+run kp $kp --batches 1 8 --tag projection
+kp_costs=benchmarks/results/verify_cost_llama3_8b_split_skinny_compiled_projection.json
+run kp_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs
+run kp_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs
+run kp64 $kp --batches 32 64 --tag projection_b64
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny
