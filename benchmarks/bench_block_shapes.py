@@ -3,13 +3,14 @@ they buy in the same run (the tuning keeps the fastest per map shape, so more ca
 they time faster, within the timing's noise). The first argument says which:
 
 - `no_swap`: the candidates before 2026-12-06 (no swapped tiles, none of the four one-row shapes
-  added then, no split K; this A/B's "before" in docs/benchmarks.md, run 6);
-- `no_split`: all but the split-K shapes (added 2026-12-06, later; the swap A/B's "after");
+  added then; this A/B's "before" in docs/benchmarks.md, run 6);
 - `all`: every candidate.
+
+(`no_split` measured the split-K shapes, since taken out: docs/benchmarks.md, run 10.)
 
 The arguments after the first are `bench_verify_cost`'s; without a --tag each run gets shapes_<which>.
 
-    python -m benchmarks.bench_block_shapes no_split --shape llama3_70b --compiled-layers \
+    python -m benchmarks.bench_block_shapes no_swap --shape llama3_70b --compiled-layers \
         --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny
     python -m benchmarks.bench_block_shapes all ...
 """
@@ -27,16 +28,14 @@ _all = skinny._candidates
 
 
 def left_out(which: str, tile: int, c: dict) -> bool:
-    if c["SPLIT"] > 1:
-        return which != "all"
     shape = (c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"])
     return which == "no_swap" and (c["SWAP"] or (tile == 1 and shape in ADDED_ONE_ROW))
 
 
 def main() -> None:
     which, rest = (sys.argv[1:2] or [""])[0], sys.argv[2:]
-    if which not in ("no_swap", "no_split", "all"):
-        sys.exit(f"bench_block_shapes: first argument {which!r}: no_swap, no_split or all")
+    if which not in ("no_swap", "all"):
+        sys.exit(f"bench_block_shapes: first argument {which!r}: no_swap or all")
     if "--tag" not in rest:  # each run its own file, neither the untagged one of bench_verify_cost
         rest += ["--tag", f"shapes_{which}"]
 

@@ -29,7 +29,9 @@
 # with the block shapes added after it), 70B verifies at batch 8 of 6-8 tokens 1.14-1.20x (run 6).
 # Run 7 (2026-12-06, fifth session, an H100): the PDL A/B below and `t` (passed); PDL now on by
 # default. Run 8 (2026-12-06, sixth session, an H100): 2-8 rows without tl.dot, 1.06-2.9x slower
-# than the tiles, taken back (docs/benchmarks.md). Still to run on an H200: s70_*, o8_* (PDL there) and t.
+# than the tiles, taken back (docs/benchmarks.md). Run 10 (2026-12-06, seventh session, an H200):
+# split K's A/B at 70B (never chosen: taken out), o8_* (PDL there), t (passed), p, k70_split_skinny,
+# decode64, spec_b*, k_split_skinny; then kp* (the projection with the kernels' step costs).
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
@@ -78,17 +80,9 @@ run() {
 v="python -m benchmarks.bench_verify_cost"
 # what #36 still needs first (see above), then the full rerun
 k="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 3 4 6 8 --tag kernels"
-# split K for the maps' row tiles (2026-12-06): the candidates without and with it, in turn, twice
-# at 70B (70B verifies at batch 8 of 6-8 tokens, 64 rows, were over 1.1x on an H200), once at 8B
-s="python -m benchmarks.bench_block_shapes"
+# split K for the maps' row tiles (2026-12-06): taken out after run 10 on an H200, where no
+# tuning chose it (nor an H100's at 64 rows); the 70B verifies' shape for the PDL A/B below
 k70s="--shape llama3_70b --layers 8 16 --compiled-layers --batches 1 8 --new-tokens 1 2 4 6 8 --cached-kernel split --linear-kernel skinny"
-k8s="--shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny"
-run s70_no_split $s no_split $k70s
-run s70_all $s all $k70s
-run s8_all $s all $k8s
-run s8_no_split $s no_split $k8s
-run s70_all_again $s all $k70s --tag shapes_all_again
-run s70_no_split_again $s no_split $k70s --tag shapes_no_split_again
 # programmatic dependent launch for one row's kernels (2026-12-06; on by default since the A/B of
 # that day's fifth session on an H100: the 8B decode at batch 1 3.9 % faster, the rest as before):
 # their blocks start while the kernel before finishes, load their first weights, then wait; without

@@ -1,4 +1,4 @@
-"""A linear map of a few rows (decode and verify steps) in one Triton kernel (two with split K).
+"""A linear map of a few rows (decode and verify steps) in one Triton kernel.
 
 At batch 1 a decode step is its weights read once. cuBLAS serves a one-row product of the
 Llama-3.1-8B layer's maps at 61–85 % of an H100's bandwidth, splitting the input features of
@@ -6,11 +6,9 @@ o_proj and down_proj over thread blocks and summing the parts in a second kernel
 "#36 on an H100"). Here each thread block owns `BLOCK_N` output features and reads their whole
 weight rows once, for every row of x at once (`tl.dot` on a tile of 16 to `MAX_ROWS` rows; one row
 is multiplied and summed along K): one kernel per map, the weights read once whatever the rows.
-A tile of `MAX_ROWS` may also split K into 2–4 shares (`SPLIT`), each program summing its share of
-wide blocks into fp32 and `_sum_splits` adding the shares in order: at 64 rows every program reads
-its x tile from L2 for each block of weights it reads, as many bytes as the weights with blocks of
-64, and splitting K keeps every SM busy with blocks two to four times wider (on an H100 the tuning
-chose none at 64 rows: docs/benchmarks.md, "Split K for the row tiles").
+(Splitting K over 2–4 programs per block, their fp32 shares summed by a second kernel, was offered
+to the 64-row tile and taken out: neither an H100's nor an H200's tuning ever chose it there;
+docs/benchmarks.md, "Split K for the row tiles" and run 10.)
 The block shape is timed once per (map shape, row tile), on the first call outside a CUDA graph's
 capture (a few seconds per map shape, mostly Triton compiling each candidate; `_block_shape`).
 A gated MLP's down_proj adds the layer's residual in its epilogue, and for one row takes
@@ -33,24 +31,19 @@ if triton is not None:
 
 MAX_ROWS = 64
 """The most rows of x one call takes (the tile `tl.dot` multiplies); more go to cuBLAS."""
-SUM_BLOCK = 1024
-"""Outputs per program of `_sum_splits`."""
 
 
 def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
-    """Block shapes to try for a row tile: (BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP, SPLIT).
+    """Block shapes to try for a row tile: (BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP).
     One row multiplies and sums along K (no tile of 16 rows to fill): narrow blocks, long K steps,
     and without pipelining stages as well as with them (a plain streaming read may do best with many
     programs resident per SM and nothing staged through shared memory: Inductor's reductions).
     A tile of rows also tries its dot swapped (SWAP: the weight rows as the dot's M side, as
     serving engines' skinny GEMMs do, so that Hopper's wgmma, 64 rows a warp group, holds them).
-    A tile of `MAX_ROWS` also tries wide blocks with K split in 2 or 4 (SPLIT; module docstring:
-    where x's re-reads weigh as much as the weights). Each candidate is one more compile on the first
-    call: offered at every tile, they were chosen once in 24 picks on an H100, never at 64 rows
-    (docs/benchmarks.md). Under Triton's interpreter one small shape, untimed (`gpu`: the GPU's,
-    which the checks force one by one)."""
+    Each candidate is one more compile on the first call. Under Triton's interpreter one small
+    shape, untimed (`gpu`: the GPU's, which the checks force one by one)."""
     if not gpu:
-        shapes = [(16, 64, 4, 1, False, 1)]
+        shapes = [(16, 64, 4, 1, False)]
     elif tile == 1:
         shapes = [
             (1, 2048, 4, 1), (1, 2048, 8, 1), (1, 2048, 16, 1), (1, 4096, 8, 1), (1, 4096, 16, 1),
@@ -60,7 +53,7 @@ def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
             (8, 1024, 8, 4), (16, 512, 4, 3), (16, 512, 8, 4),
             (8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 8, 1), (16, 2048, 16, 1),
         ]  # fmt: skip
-        shapes = [(*shape, False, 1) for shape in shapes]
+        shapes = [(*shape, False) for shape in shapes]
     else:
         shapes = [
             (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 4), (32, 256, 4, 4), (32, 256, 8, 5),
@@ -69,16 +62,10 @@ def _candidates(tile: int, gpu: bool = not INTERPRETED) -> list[dict]:
             (64, 64, 8, 8),
         ]  # fmt: skip
         swapped = [(64, 128, 4, 4), (64, 256, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3)]
-        split = [
-            (64, 128, 4, 5, False, 2), (128, 64, 4, 4, False, 2), (128, 128, 8, 3, False, 2),
-            (128, 64, 4, 4, True, 2), (128, 128, 8, 3, True, 2), (256, 64, 8, 3, True, 2),
-            (256, 64, 8, 3, True, 4),
-        ]  # fmt: skip
-        shapes = [(*shape, False, 1) for shape in shapes] + [(*shape, True, 1) for shape in swapped]
-        shapes += split if tile == MAX_ROWS else []
+        shapes = [(*shape, False) for shape in shapes] + [(*shape, True) for shape in swapped]
     return [
-        {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st, "SWAP": swap, "SPLIT": split}
-        for n, k, w, st, swap, split in shapes
+        {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st, "SWAP": swap}
+        for n, k, w, st, swap in shapes
     ]
 
 
@@ -161,11 +148,11 @@ if triton is not None:
 
     @triton.jit
     def _tile_product(
-        X, W, n, M, N, start, K, stride_xm, stride_wn,
+        X, W, n, M, N, K, stride_xm, stride_wn,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
         SWAP: tl.constexpr,
     ):  # fmt: skip
-        # x[m, start:K] · w[n, start:K] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`). x
+        # x[m] · w[n] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`). x
         # goes into the dot as loaded: computed on before it (SiLU·up, 2026-12-05) the maps ran 2×
         # slower on an H200. SWAP: w · xᵀ, [BLOCK_N, ROWS], transposed once at the end.
         m = tl.arange(0, ROWS)
@@ -173,7 +160,7 @@ if triton is not None:
             acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
         else:
             acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for first in range(start, K, BLOCK_K):
+        for first in range(0, K, BLOCK_K):
             k = first + tl.arange(0, BLOCK_K)
             x = tl.load(
                 X + m[:, None] * stride_xm + k[None, :],
@@ -191,14 +178,12 @@ if triton is not None:
 
     @triton.jit
     def _skinny_gemm(
-        X, W, Y, R, G, P, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+        X, W, Y, R, G, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
         GATED: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr, SWAP: tl.constexpr,
-        SPLIT: tl.constexpr, PDL: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
-        # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL). SPLIT > 1 (a tile
-        # of rows): this program's share of K only, its fp32 sums into P [SPLIT, M, N] for
-        # `_sum_splits` to add up.
+        # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL).
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.static_assert(ROWS == 1 or not PDL, "PDL launches one row's kernels only (launch_options)")
         w_first = _first_weights(W, n, N, K, stride_wn, BLOCK_K, PDL)
@@ -210,37 +195,14 @@ if triton is not None:
             tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
         else:
             m = tl.arange(0, ROWS)
-            share = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K  # whole K steps each
-            start = tl.program_id(1) * share
             acc = _tile_product(
-                X, W, n, M, N, start, tl.minimum(K, start + share), stride_xm, stride_wn,
-                ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP,
-            )  # fmt: skip
+                X, W, n, M, N, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP
+            )
             inside = (m[:, None] < M) & (n[None, :] < N)
-            if SPLIT > 1:
-                tl.store(P + (tl.program_id(1) * M + m[:, None]) * N + n[None, :], acc, mask=inside)
-            else:
-                if RESIDUAL:
-                    r = tl.load(R + m[:, None] * stride_rm + n[None, :], mask=inside, other=0.0)
-                    acc += r.to(tl.float32)
-                tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=inside)
-
-    @triton.jit
-    def _sum_splits(
-        P, Y, R, M, N, stride_ym, stride_rm,
-        SPLIT: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
-        # y = the SPLIT shares' sums in order (+ r), rounded once: what one program would have stored.
-        after_previous_kernel(PDL)
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        inside = i < M * N
-        acc = tl.load(P + i, mask=inside, other=0.0)
-        for part in tl.static_range(1, SPLIT):
-            acc += tl.load(P + part * M * N + i, mask=inside, other=0.0)
-        m, n = i // N, i % N
-        if RESIDUAL:
-            acc += tl.load(R + m * stride_rm + n, mask=inside, other=0.0).to(tl.float32)
-        tl.store(Y + m * stride_ym + n, acc.to(Y.dtype.element_ty), mask=inside)
+            if RESIDUAL:
+                r = tl.load(R + m[:, None] * stride_rm + n[None, :], mask=inside, other=0.0)
+                acc += r.to(tl.float32)
+            tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _qkv_rope_cache(
@@ -271,9 +233,7 @@ if triton is not None:
             a, b = tl.split(tl.reshape(y, [1, PAIRS, 2]))
         else:
             m = tl.arange(0, ROWS)[:, None]
-            y = _tile_product(
-                X, W, n, M, N, 0, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP
-            )
+            y = _tile_product(X, W, n, M, N, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP)
             a, b = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         there = m < M
         j = j[None, :]
@@ -388,20 +348,12 @@ def skinny_linear(
     g = y if norm_weight is None else norm_weight.contiguous()
 
     def launch(shape: dict) -> None:
-        split = shape["SPLIT"]
-        parts = y if split == 1 else y.new_empty(split, rows, out_features, dtype=torch.float32)
-        _skinny_gemm[(triton.cdiv(out_features, shape["BLOCK_N"]), split)](
-            flat, weight, y, r, g, parts, rows, out_features, features,
+        _skinny_gemm[(triton.cdiv(out_features, shape["BLOCK_N"]),)](
+            flat, weight, y, r, g, rows, out_features, features,
             flat.stride(0), weight.stride(0), y.stride(0), r.stride(0), eps,
             ROWS=tile, PRECISION=_precision(x), GATED=gated, RESIDUAL=residual is not None,
             NORM=norm_weight is not None, **shape, **pdl,
         )  # fmt: skip
-        if split > 1:
-            _sum_splits[(triton.cdiv(rows * out_features, SUM_BLOCK),)](
-                parts, y, r, rows, out_features, y.stride(0), r.stride(0),
-                SPLIT=split, RESIDUAL=residual is not None, BLOCK=SUM_BLOCK,
-                **pdl,
-            )  # fmt: skip
 
     # one block shape with or without a residual or a norm: they add N or K values a row
     key = ("gated" if gated else "plain", out_features, features, tile, x.dtype, x.device)
@@ -469,7 +421,7 @@ def qkv_rope_cache(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             HEADS=heads, KV_HEADS=kv_heads, DIM=dim, ROWS=tile, PRECISION=_precision(x),
-            NORM=norm_weight is not None, **{k: v for k, v in shape.items() if k != "SPLIT"}, **pdl,
+            NORM=norm_weight is not None, **shape, **pdl,
         )  # fmt: skip
 
     # rewriting the same cache entries while the shapes are timed changes nothing
@@ -486,8 +438,8 @@ def _(x, weight, norm_weight, eps, cos, sin, k_cache, v_cache, slots):
 
 def _rope_candidates(tile: int, dim: int) -> list[dict]:
     """`_candidates` that `qkv_rope_cache` takes (every tile has some: d ≥ 16, `fits_qkv_rope_cache`):
-    whole rotary pairs, and all of K in one program (its epilogue rotates the finished sums)."""
-    return [c for c in _candidates(tile) if holds_rotary_pairs(c, dim) and c["SPLIT"] == 1]
+    whole rotary pairs."""
+    return [c for c in _candidates(tile) if holds_rotary_pairs(c, dim)]
 
 
 def holds_rotary_pairs(shape: dict, dim: int) -> bool:

@@ -199,9 +199,9 @@ def qkv_reference(x, w, norm, cos, sin, heads: int, kv_heads: int, dim: int) -> 
 def check_block_shapes(device: str, dtype: torch.dtype) -> None:
     """Every block shape the GPU's tuning may choose, forced one at a time (the tuning keeps only the
     fastest, and the interpreter runs one): `skinny_linear` plain, normed with a residual and gated
-    at one row, and plain with a tile of rows (split K: over a K of several shares, and with a
-    residual); `qkv_rope_cache` at one normed row and with a tile of rows. Each row-tile shape is
-    forced at one of the tiles that offer it (16, 32 or 64 rows in turn; split K at 64 only); on a
+    at one row, and plain with a tile of rows; `qkv_rope_cache` at one normed row and with a tile
+    of rows. Each row-tile shape is forced at one of the tiles that offer it (16, 32 or 64 rows in
+    turn); on a
     GPU, where a row tile compiles a dot of its own (ROWS is a constant), the swapped ones at all
     three (the interpreter compiles nothing: the rows change only the masks there). On a GPU a
     shape past its shared memory or registers is left out, as the tuning leaves it out
@@ -237,9 +237,7 @@ def resource_errors(device: str) -> tuple[type[Exception], ...]:
 def check_block_shape(skinny, tile: int, shape: dict, device: str, dtype: torch.dtype) -> None:
     """One forced block shape at one row tile (`check_block_shapes`)."""
     torch.manual_seed(0)
-    # split K in 2: the first share whole, the second a few features; in 4 shares of one K step of
-    # 64, K = 72 leaves the last two empty
-    features = 72 if shape["SPLIT"] in (1, 4) else shape["SPLIT"] * shape["BLOCK_K"] - 40
+    features = 72
     # one row: a program per 1–16 outputs, each a Python loop under the interpreter, so fewer outputs
     # (41: a last block short of full at every BLOCK_N) and heads of 16; row tiles: blocks up to 256
     outputs, dim = (41, 16) if tile == 1 else (200, 128)
@@ -252,9 +250,7 @@ def check_block_shape(skinny, tile: int, shape: dict, device: str, dtype: torch.
     x = torch.randn(rows, features, device=device, dtype=dtype)
     r = torch.randn(rows, outputs, device=device, dtype=dtype)
     cases = [((x, w), F.linear(x.double(), w.double()))]
-    if tile > 1 and shape["SPLIT"] > 1:  # the residual added by `_sum_splits` (`check_skinny`: unsplit)
-        cases.append(((x, w, False, r), F.linear(x.double(), w.double()) + r))
-    elif tile == 1:
+    if tile == 1:
         normed = F.linear(rms_norm(x.double(), g.double(), 1e-5), w.double())
         cases.append(((x, w, False, r, g, 1e-5), normed + r))
         gate_up = torch.randn(1, 2 * features, device=device, dtype=dtype)
@@ -378,7 +374,6 @@ POINTER_TYPES = {
     "Lengths": "*i64",
     "Part": "*fp32",
     "Lse": "*fp32",
-    "P": "*fp32",
 }  # others: bf16
 FLOAT_SCALARS = ("eps", "scale_log2")  # others: int32
 
@@ -406,9 +401,8 @@ def compile_for_hopper(kernel: str) -> list[str]:
         return f"{fn.__name__} {constants} {options}: {binary.metadata.shared} B shared"
 
     shapes = [
-        (1, 2, 2048, 4, 1, False, 1), (1, 16, 512, 8, 4, False, 1), (16, 16, 256, 4, 4, False, 1),
-        (64, 128, 64, 4, 4, False, 1), (16, 64, 128, 4, 4, True, 1), (64, 128, 128, 8, 3, True, 1),
-        (64, 64, 128, 4, 5, False, 2), (64, 256, 64, 8, 3, True, 4),
+        (1, 2, 2048, 4, 1, False), (1, 16, 512, 8, 4, False), (16, 16, 256, 4, 4, False),
+        (64, 128, 64, 4, 4, False), (16, 64, 128, 4, 4, True), (64, 128, 128, 8, 3, True),
     ]  # fmt: skip
     tile = {"PRECISION": "tf32"}
     done = []
@@ -417,16 +411,13 @@ def compile_for_hopper(kernel: str) -> list[str]:
         return (False, True) if rows == 1 else (False,)
 
     if kernel == "skinny":
-        pointers, scalars = "X W Y R G P", "M N K stride_xm stride_wn stride_ym stride_rm eps"
-        for rows, n, k, warps, stages, swap, split in shapes:
+        pointers, scalars = "X W Y R G", "M N K stride_xm stride_wn stride_ym stride_rm eps"
+        for rows, n, k, warps, stages, swap in shapes:
             for gated, residual, norm in ((False, False, rows == 1), (rows == 1, True, False)):
                 for pdl in launched(rows):
-                    flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap, SPLIT=split, PDL=pdl)
+                    flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap, PDL=pdl)
                     constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags)
                     done.append(compiled(skinny._skinny_gemm, pointers, scalars, constants, warps, stages))
-        for split, residual in ((2, False), (4, True)):
-            constants = dict(SPLIT=split, RESIDUAL=residual, BLOCK=skinny.SUM_BLOCK, PDL=False)
-            done.append(compiled(skinny._sum_splits, "P Y R", "M N stride_ym stride_rm", constants))
     elif kernel == "qkv_rope_cache":
         pointers = "X W G Q KC VC Cos Sin Slots"
         scalars = (
@@ -434,9 +425,7 @@ def compile_for_hopper(kernel: str) -> list[str]:
             "stride_kb stride_kl stride_kh stride_vb stride_vl stride_vh"
         )
         heads = dict(HEADS=32, KV_HEADS=8, DIM=128)
-        for rows, n, k, warps, stages, swap, split in shapes:
-            if split > 1:  # not a shape it takes (`skinny_linear._rope_candidates`)
-                continue
+        for rows, n, k, warps, stages, swap in shapes:
             for norm, pdl in itertools.product({rows == 1, False}, launched(rows)):
                 constants = dict(
                     **heads, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, NORM=norm, SWAP=swap, PDL=pdl
