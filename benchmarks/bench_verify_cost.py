@@ -40,7 +40,7 @@ from benchmarks.common import (
 )
 from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
 from inference_ref.models import TARGET_KINDS
-from inference_ref.skinny_linear import LINEAR_KERNELS, tuned_configs, use_linear_kernel
+from inference_ref.skinny_linear import LINEAR_KERNELS, load_block_shapes, tuned_configs, use_linear_kernel
 from inference_ref.triton_support import use_pdl
 
 BATCHES = (1, 8, 32, 64)
@@ -218,6 +218,11 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         "(inference_ref.triton_support.use_pdl, the default); --no-pdl: _no_pdl added to the file name",
     )
     p.add_argument("--tag", default="", help="added to the file name (a partial grid, another device)")
+    p.add_argument(
+        "--block-shapes",
+        help="the skinny maps' block shapes from an earlier run's JSON (its skinny_configs) instead of "
+        "timing them (inference_ref.skinny_linear.load_block_shapes): the same kernels in every process",
+    )
     p.add_argument("--new-tokens", type=int, nargs="+", default=list(NEW_TOKENS), help="per row, 1 = decode")
     p.add_argument("--context", type=int, default=CONTEXT, help="committed tokens per row before the step")
     p.add_argument(
@@ -240,6 +245,8 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         "written to verify_cost_<shape>[...]_profiled.json",
     )
     args = p.parse_args(argv)
+    if args.block_shapes:
+        load_block_shapes(args.block_shapes)
     if args.autotune and not args.compiled_layers:
         p.error("--autotune tunes the compiled layers: add --compiled-layers")
     if args.profile and args.layers:
@@ -298,6 +305,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             "folded": not args.unfolded,
             "pdl": args.pdl,
             "skinny_configs": tuned_configs(),
+            "block_shapes_from": args.block_shapes,
             "compiled_layers": args.compiled_layers,
             "autotune": args.autotune,
             "compiled_layers_ran": ran_compiled,

@@ -105,6 +105,12 @@ kp_costs=benchmarks/results/verify_cost_llama3_8b_split_skinny_compiled_projecti
 run kp_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs
 run kp_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs
 run kp64 $kp --batches 32 64 --tag projection_b64
+# the block shapes given instead of timed (2026-12-06, seventh session): run 10's fastest 8B picks
+# (benchmarks/block_shapes_llama3_8b_h200.json) in two processes, then one timing its own
+bp="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny"
+run bp1 $bp --block-shapes benchmarks/block_shapes_llama3_8b_h200.json --tag given_shapes
+run bp2 $bp --block-shapes benchmarks/block_shapes_llama3_8b_h200.json --tag given_shapes_again
+run bp_timed $bp --tag timed_shapes
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny

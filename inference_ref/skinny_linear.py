@@ -258,14 +258,23 @@ if triton is not None:
 
 _tuned: dict[tuple, dict] = {}
 """The block shape chosen per (kernel, the map's shape, row tile, dtype, device)."""
+_preset: dict[str, dict] = {}
+"""Block shapes given instead of timed, by `_name` (`preset_block_shapes`)."""
 
 
 def _block_shape(key: tuple, launch, candidates: list[dict]) -> dict:
-    """The fastest of `candidates` for `key`, timed once (`launch(shape)` runs the kernel). Never
-    timed while a CUDA graph is being captured (timing synchronizes, which would break the
-    capture): the first candidate serves there, unremembered, until an uncaptured call times them."""
+    """The block shape for `key`: a preset one (`preset_block_shapes`), else the fastest of
+    `candidates`, timed once (`launch(shape)` runs the kernel). Never timed while a CUDA graph is
+    being captured (timing synchronizes, which would break the capture): the first candidate
+    serves there, unremembered, until an uncaptured call times them."""
     if key in _tuned:
         return _tuned[key]
+    preset = _preset.get(_name(key))
+    if preset is not None:
+        if not INTERPRETED and preset not in candidates:  # e.g. blocks of rotary pairs too wide
+            raise ValueError(f"block shape {_name(key)!r}: {preset} is not a candidate of this map")
+        _tuned[key] = preset
+        return preset
     if INTERPRETED or torch.cuda.is_current_stream_capturing():
         return candidates[0]
     times = [_timed(launch, c) for c in candidates]
@@ -457,8 +466,53 @@ def fits_qkv_rope_cache(out_features: int, dim: int, kv_heads: int) -> bool:
 
 
 def tuned_configs() -> dict[str, dict]:
-    """The block shape chosen so far per (kernel, the map's shape, row tile, dtype, device)."""
-    return {str(key): shape for key, shape in _tuned.items()}
+    """The block shape chosen so far per kernel, map shape, row tile and dtype (`_name`): what
+    `preset_block_shapes` takes back."""
+    return {_name(key): shape for key, shape in _tuned.items()}
+
+
+def _name(key: tuple) -> str:
+    """A tuning key by name, without its device: "plain:4096,14336:16:bfloat16" (kernel, the
+    map's dimensions, row tile, dtype)."""
+    kind, *dims, tile, dtype, _device = key
+    return f"{kind}:{','.join(map(str, dims))}:{tile}:{str(dtype).removeprefix('torch.')}"
+
+
+def preset_block_shapes(shapes: dict[str, dict], source: str = "block shapes") -> None:
+    """Use these block shapes (`tuned_configs()` of an earlier process on the same kind of GPU, as
+    `bench_verify_cost` writes them under "skinny_configs") instead of timing the candidates: the
+    steps then run the same kernels in every process. Timing alone picks among near-ties by noise,
+    and which of them a step gets moves its time: on one H200 the 8-token verify at batch 1 took
+    4.68 ms with down_proj's 16-row tile at (32, 256, 4, 4) in three processes and 4.71–4.79 ms
+    with the other picks in six (docs/benchmarks.md, run 10). Each shape must be one the tuning
+    could have chosen for its row tile; `source` names the file in the error."""
+    fields = set(_candidates(1, gpu=True)[0])
+    for name, shape in shapes.items():
+        parts = name.split(":")
+        if len(parts) != 4 or not parts[2].isdigit():
+            raise ValueError(f"{source}: block shape {name!r}: not kernel:dims:row tile:dtype")
+        tile = int(parts[2])
+        if not isinstance(shape, dict) or set(shape) != fields:
+            raise ValueError(
+                f"{source}: block shape {name!r}: fields {sorted(fields)} expected, got {shape!r}"
+            )
+        if shape not in _candidates(tile, gpu=True):
+            raise ValueError(f"{source}: block shape {name!r}: {shape} is not a candidate for {tile} rows")
+    _preset.update(shapes)
+
+
+def load_block_shapes(path: str) -> int:
+    """`preset_block_shapes` from a JSON file: a benchmark's result (its "skinny_configs") or the
+    mapping alone. Returns how many."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    shapes = data.get("skinny_configs", data) if isinstance(data, dict) else data
+    if not isinstance(shapes, dict):
+        raise ValueError(f"{path}: block shapes: a mapping of name to shape expected")
+    preset_block_shapes(shapes, path)
+    return len(shapes)
 
 
 LINEAR_KERNELS = ("auto", "cublas", "skinny")

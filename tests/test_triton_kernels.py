@@ -110,3 +110,39 @@ def test_split_kv_takes_the_head_sizes_and_tiles_it_can():
     assert not fits(1, 32, 8, 96)  # tl.arange takes powers of 2: SDPA serves this head size
     assert not fits(1, 4, 2, 8)  # tl.dot takes 16 or more
     assert not fits(17, 32, 8, 128)  # 68 query rows per K/V head: more than one tile
+
+
+def test_given_block_shapes_are_used_untimed_and_a_bad_one_is_named(tmp_path):
+    """`load_block_shapes` takes a benchmark's JSON (its skinny_configs, named as `tuned_configs`
+    names them); the map then gets that shape without timing any, and a shape the tuning could not
+    have chosen is refused with the file and the shape's name."""
+    import json
+
+    import torch
+
+    import inference_ref.skinny_linear as skinny
+
+    name, shape = "plain:4096,14336:16:bfloat16", skinny._candidates(16, gpu=True)[3]
+    key = ("plain", 4096, 14336, 16, torch.bfloat16, torch.device("cuda", 0))
+    path = tmp_path / "verify_cost.json"
+    saved = dict(skinny._preset), dict(skinny._tuned)
+    try:
+        path.write_text(json.dumps({"skinny_configs": {name: shape}}))
+        assert skinny.load_block_shapes(str(path)) == 1
+
+        def timed(candidate):
+            raise AssertionError("a given block shape was timed")
+
+        assert skinny._block_shape(key, timed, skinny._candidates(16, gpu=True)) == shape
+        assert skinny.tuned_configs()[name] == shape
+        for bad, message in (
+            ({name: {**shape, "BLOCK_N": 48}}, "is not a candidate for 16 rows"),
+            ({name: {"BLOCK_N": 16}}, "fields"),
+            ({"plain:4096:rows": shape}, "not kernel:dims:row tile:dtype"),
+        ):
+            path.write_text(json.dumps(bad))
+            with pytest.raises(ValueError, match=f"verify_cost.json: block shape .*{message}"):
+                skinny.load_block_shapes(str(path))
+    finally:
+        skinny._preset.clear(), skinny._tuned.clear()
+        skinny._preset.update(saved[0]), skinny._tuned.update(saved[1])
