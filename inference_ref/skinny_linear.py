@@ -12,7 +12,8 @@ docs/benchmarks.md, "Split K for the row tiles" and run 10.)
 The block shape is timed once per (map shape, row tile), on the first call outside a CUDA graph's
 capture (a few seconds per map shape, mostly Triton compiling each candidate; `_block_shape`).
 A gated MLP's down_proj adds the layer's residual in its epilogue, and for one row takes
-[gate | up] and computes SiLU·up in its loads (`project_gated`): two kernels fewer per layer.
+[gate | up] and computes SiLU·up in its loads (`project_gated`): two kernels fewer per layer; for a
+tile of rows gate_up_proj computes SiLU·up in its epilogue instead (`silu_gate_up`, `project_mlp`).
 
 A custom op, so that torch.compile calls it as it is (Inductor would otherwise fuse the map's
 producers into it and recompute them per output block). Runs on CUDA, and on a CPU under
@@ -205,6 +206,28 @@ if triton is not None:
             tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=inside)
 
     @triton.jit
+    def _silu_gate_up(
+        X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        SWAP: tl.constexpr,
+    ):  # fmt: skip
+        # silu(gate) · up of BLOCK_N / 2 features j for every row m, of W = [gate | up] (N / 2 rows
+        # each): the weight rows of gate j and up j side by side in the block, as `_qkv_rope_cache`
+        # holds rotary pairs, so that the epilogue has both. Each is rounded to Y's dtype first, as
+        # the map's output would be, then the activation computed in fp32 and rounded once, as the
+        # compiled MLP's fused SiLU·up kernel does.
+        PAIRS: tl.constexpr = BLOCK_N // 2
+        j = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+        n = tl.reshape(tl.join(j, j + N // 2), [BLOCK_N])
+        m = tl.arange(0, ROWS)[:, None]
+        y = _tile_product(X, W, n, M, N, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP)
+        gate, up = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
+        gate = gate.to(Y.dtype.element_ty).to(tl.float32)
+        up = up.to(Y.dtype.element_ty).to(tl.float32)
+        y = gate * tl.sigmoid(gate) * up
+        tl.store(Y + m * stride_ym + j[None, :], y.to(Y.dtype.element_ty), mask=m < M)
+
+    @triton.jit
     def _qkv_rope_cache(
         X, W, G, Q, KC, VC, Cos, Sin, Slots, M, K, new, eps,
         stride_xm, stride_wn, stride_qm, stride_qh, stride_cm, stride_sb, stride_ss,
@@ -375,6 +398,45 @@ def _(x, weight, gated=False, residual=None, norm_weight=None, eps=0.0):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("inference_ref::silu_gate_up", mutates_args=())
+def silu_gate_up(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up of [gate | up] = x @ weightᵀ (weight [2I, K], the gate's rows first) →
+    [..., I]: a gated MLP's gate_up_proj and its activation in one kernel, for 2 to `MAX_ROWS` rows
+    (one row takes the activation into down_proj's loads instead: `skinny_linear`'s gated). The
+    activation is computed in the epilogue on the tile's sums (`_silu_gate_up`): x goes into the
+    dot as loaded, which the tiles need (module docstring). One kernel a layer fewer in a verify
+    step, and half of gate_up's output written. I must be a multiple of 8 (`fits_silu_gate_up`)."""
+    flat, tile = _rows(x)
+    rows = flat.shape[0]
+    out_features, features = weight.shape
+    if rows == 1 or flat.shape[1] != features or not fits_silu_gate_up(out_features):
+        raise ValueError(f"silu_gate_up: x {tuple(x.shape)} for weight {tuple(weight.shape)}")
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    y = torch.empty(rows, out_features // 2, device=x.device, dtype=x.dtype)
+
+    def launch(shape: dict) -> None:
+        _silu_gate_up[(out_features // shape["BLOCK_N"],)](
+            flat, weight, y, rows, out_features, features, flat.stride(0), weight.stride(0), y.stride(0),
+            ROWS=tile, PRECISION=_precision(x), **shape,
+        )  # fmt: skip
+
+    key = ("silu_gate_up", out_features, features, tile, x.dtype, x.device)
+    launch(_block_shape(key, launch, [c for c in _candidates(tile) if out_features % c["BLOCK_N"] == 0]))
+    return y.view(*x.shape[:-1], out_features // 2)
+
+
+@silu_gate_up.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def fits_silu_gate_up(out_features: int) -> bool:
+    """Whether `silu_gate_up` takes a [gate | up] map of `out_features`: whole blocks of pairs for
+    the narrowest candidate of every tile (BLOCK_N 16; the tuning tries those dividing 2I)."""
+    return out_features % 16 == 0
+
+
 @torch.library.custom_op("inference_ref::qkv_rope_cache", mutates_args=("k_cache", "v_cache"))
 def qkv_rope_cache(
     x: torch.Tensor,
@@ -525,8 +587,8 @@ def use_linear_kernel(name: str, folds: bool = True) -> None:
     "cublas" (`F.linear`), "skinny" (`skinny_linear`), or "auto", the default: "skinny" inside
     compiled layers, "cublas" elsewhere (eager layers are bound by launches, not reads).
     folds: whether the skinny maps also take the layer's work around them (the RMSNorms, the
-    rotary and cache writes after q|k|v, SiLU·up at one row, the residual adds: `project`,
-    `project_gated`, `project_qkv`); off, that work runs in the compiled layer's own kernels."""
+    rotary and cache writes after q|k|v, SiLU·up, the residual adds: `project`, `project_mlp`,
+    `project_qkv`); off, that work runs in the compiled layer's own kernels."""
     global _linear_kernel, _folds
     if name not in LINEAR_KERNELS:
         raise ValueError(f"linear kernel {name!r}: one of {', '.join(LINEAR_KERNELS)}")
@@ -588,6 +650,35 @@ def project_qkv(
         return None
     x, norm = _normed_unless_folded(norm, x)
     return qkv_rope_cache(x, linear.weight, *_norm_args(norm), cos, sin, k_cache, v_cache, slots)
+
+
+def project_mlp(
+    gate_up: torch.nn.Linear,
+    down: torch.nn.Linear,
+    x: torch.Tensor,
+    norm: RMSNorm | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`residual + down(silu(gate) · up)` of [gate | up] = gate_up(norm(x)), a gated MLP (a None
+    left out). Where the skinny maps run and fold: one row takes the norm into gate_up's loads and
+    the activation into down_proj's (`project_gated`); a tile of rows the activation into
+    gate_up's epilogue (`silu_gate_up`), after its norm (`_normed_unless_folded`)."""
+    tile = x.numel() > x.shape[-1]
+    if (
+        TILE_ACTIVATION
+        and tile
+        and _runs_skinny(gate_up, x)
+        and _folds
+        and fits_silu_gate_up(gate_up.out_features)
+    ):
+        x, _ = _normed_unless_folded(norm, x)
+        return project(down, silu_gate_up(x, gate_up.weight), residual=residual)
+    return project_gated(down, project(gate_up, x, norm), residual)
+
+
+TILE_ACTIVATION = True
+"""Whether `project_mlp` computes a tile's SiLU·up in gate_up's epilogue (`silu_gate_up`); off,
+in the compiled layer's own kernel (`bench_verify_cost --no-tile-activation`, for its A/B)."""
 
 
 def _added(residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:

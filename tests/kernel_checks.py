@@ -18,7 +18,7 @@ from inference_ref.attention import cache_mask, use_cached_kernel
 from inference_ref.causal_lm import rms_norm
 from inference_ref.models.llama import apply_rotary, random_llama
 from inference_ref.models.qwen3 import Qwen3Config, random_qwen3
-from inference_ref.skinny_linear import qkv_rope_cache, skinny_linear, use_linear_kernel
+from inference_ref.skinny_linear import qkv_rope_cache, silu_gate_up, skinny_linear, use_linear_kernel
 from inference_ref.split_kv_attention import split_kv_attention
 from tiny import tiny_llama
 
@@ -116,7 +116,16 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
         want = F.linear(activation, w.double()) + residual
         err = relative_error(skinny_linear(gate_up, w, True, residual), want)
         assert err < tolerance(dtype), ("gated, residual", features, out_features, err)
+    for x_shape, features in (((3, 5, 64), 40), ((64, 96), 24), ((2, 100), 8)):  # a tile: silu_gate_up
+        x = torch.randn(*x_shape, device=device, dtype=dtype)
+        w = torch.randn(2 * features, x_shape[-1], device=device, dtype=dtype) / x_shape[-1] ** 0.5
+        gate, up = F.linear(x.double(), w.double()).to(dtype).double().chunk(2, dim=-1)
+        got = silu_gate_up(x, w)
+        assert got.shape == (*x_shape[:-1], features)
+        err = relative_error(got, F.silu(gate) * up)
+        assert err < tolerance(dtype), ("silu_gate_up", x_shape, features, err)
     x, w = torch.randn(3, 40, device=device, dtype=dtype), torch.randn(24, 40, device=device, dtype=dtype)
+    torch.library.opcheck(silu_gate_up, (x, torch.randn(32, 40, device=device, dtype=dtype)))
     torch.library.opcheck(skinny_linear, (x, w), test_utils=("test_schema", "test_faketensor"))
     gate_up = torch.randn(1, 80, device=device, dtype=dtype)
     torch.library.opcheck(skinny_linear, (gate_up, w, True), test_utils=("test_schema", "test_faketensor"))
@@ -259,6 +268,12 @@ def check_block_shape(skinny, tile: int, shape: dict, device: str, dtype: torch.
     for args, want in cases:
         err = relative_error(skinny_linear(*args), want)
         assert err < tolerance(dtype), ("skinny", tile, shape, len(args), err)
+    if tile > 1:  # silu_gate_up: [gate | up] of 256 features each, whole blocks at every BLOCK_N
+        w_gate_up = torch.randn(512, features, device=device, dtype=dtype) / features**0.5
+        gate, up = F.linear(x.double(), w_gate_up.double()).to(dtype).double().chunk(2, -1)
+        err = relative_error(skinny.silu_gate_up(x, w_gate_up), F.silu(gate) * up)
+        assert err < tolerance(dtype), ("silu_gate_up", tile, shape, err)
+        cases.append("silu_gate_up")
     rope = skinny.holds_rotary_pairs(shape, dim)
     if rope:
         batch, new = (1, 1) if tile == 1 else (rows // 4 + 1, 4)
@@ -418,6 +433,10 @@ def compile_for_hopper(kernel: str) -> list[str]:
                     flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap, PDL=pdl)
                     constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags)
                     done.append(compiled(skinny._skinny_gemm, pointers, scalars, constants, warps, stages))
+            if rows > 1:
+                constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, SWAP=swap)
+                pointers_scalars = ("X W Y", "M N K stride_xm stride_wn stride_ym")
+                done.append(compiled(skinny._silu_gate_up, *pointers_scalars, constants, warps, stages))
     elif kernel == "qkv_rope_cache":
         pointers = "X W G Q KC VC Cos Sin Slots"
         scalars = (

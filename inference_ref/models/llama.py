@@ -25,7 +25,7 @@ from inference_ref.causal_lm import (
     eos_token_ids,
 )
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, init_random, read_tensors, safetensors_files
-from inference_ref.skinny_linear import project, project_gated, project_qkv
+from inference_ref.skinny_linear import project, project_mlp, project_qkv
 from inference_ref.split_kv_attention import split_kv_attention
 
 # ---------------------------------------------------------------------------------------------
@@ -242,9 +242,9 @@ class MLP(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
     ) -> torch.Tensor:
-        """residual + mlp(norm(x)) (None: left out); the norm and the residual in the maps'
-        kernels where they fold (`skinny_linear.project`)."""
-        return project_gated(self.down_proj, project(self.gate_up_proj, x, norm), residual)
+        """residual + mlp(norm(x)) (None: left out); the norm, the activation and the residual in
+        the maps' kernels where they fold (`skinny_linear.project_mlp`)."""
+        return project_mlp(self.gate_up_proj, self.down_proj, x, norm, residual)
 
 
 class DecoderLayer(nn.Module):
