@@ -220,10 +220,10 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     )
     p.add_argument("--tag", default="", help="added to the file name (a partial grid, another device)")
     p.add_argument(
-        "--no-tile-activation",
+        "--tile-activation",
         action="store_true",
-        help="a tile's SiLU·up in the compiled layer's own kernel, not in gate_up's epilogue "
-        "(skinny_linear.TILE_ACTIVATION, for its A/B); written to ..._no_tile_activation",
+        help="a tile's SiLU·up in gate_up's epilogue (skinny_linear.TILE_ACTIVATION, off by default "
+        "until measured), not in the compiled layer's own kernel; written to ..._tile_activation",
     )
     p.add_argument(
         "--block-shapes",
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     args = p.parse_args(argv)
     if args.block_shapes:
         load_block_shapes(args.block_shapes)
-    skinny_linear.TILE_ACTIVATION = not args.no_tile_activation
+    skinny_linear.TILE_ACTIVATION = args.tile_activation
     if args.autotune and not args.compiled_layers:
         p.error("--autotune tunes the compiled layers: add --compiled-layers")
     if args.profile and args.layers:
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}")
         + ("" if args.linear_kernel == "cublas" else f"_{args.linear_kernel}")
         + ("_unfolded" if args.unfolded else "")
-        + ("_no_tile_activation" if args.no_tile_activation else "")
+        + ("_tile_activation" if args.tile_activation else "")
         + ("" if args.pdl else "_no_pdl")
         + ("_compiled" if args.compiled_layers else "")
         + ("_autotuned" if args.autotune else "")
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             "cached_kernel": args.cached_kernel,
             "linear_kernel": args.linear_kernel,
             "folded": not args.unfolded,
-            "tile_activation": not args.no_tile_activation,
+            "tile_activation": args.tile_activation,
             "pdl": args.pdl,
             "skinny_configs": tuned_configs(),
             "block_shapes_from": args.block_shapes,

@@ -112,13 +112,13 @@ run bp1 $bp --block-shapes benchmarks/block_shapes_llama3_8b_h200.json --tag giv
 run bp2 $bp --block-shapes benchmarks/block_shapes_llama3_8b_h200.json --tag given_shapes_again
 run bp_timed $bp --tag timed_shapes
 # SiLU·up in gate_up's epilogue for a tile of rows (`silu_gate_up`, 2026-12-06, seventh session):
-# without and with, in turn, twice; BLOCK_SHAPES=benchmarks/block_shapes_llama3_8b_h200.json on an
+# off by default until this A/B: without and with, in turn, twice; BLOCK_SHAPES=benchmarks/block_shapes_llama3_8b_h200.json on an
 # H200 gives the other maps run 10's fastest picks, so that their timing's ties do not decide it
 ta="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}"
-run ta_off $ta --no-tile-activation --tag tile_activation_ab
-run ta_on $ta --tag tile_activation_ab
-run ta_off_again $ta --no-tile-activation --tag tile_activation_ab_again
-run ta_on_again $ta --tag tile_activation_ab_again
+run ta_off $ta --tag tile_activation_ab
+run ta_on $ta --tile-activation --tag tile_activation_ab
+run ta_off_again $ta --tag tile_activation_ab_again
+run ta_on_again $ta --tile-activation --tag tile_activation_ab_again
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny

@@ -676,9 +676,10 @@ def project_mlp(
     return project_gated(down, project(gate_up, x, norm), residual)
 
 
-TILE_ACTIVATION = True
+TILE_ACTIVATION = False
 """Whether `project_mlp` computes a tile's SiLU·up in gate_up's epilogue (`silu_gate_up`); off,
-in the compiled layer's own kernel (`bench_verify_cost --no-tile-activation`, for its A/B)."""
+in the compiled layer's own kernel. Off until a GPU has measured it (`bench_verify_cost
+--tile-activation`, `speed_run.sh`'s ta_* items; the kernel checks run it on and off)."""
 
 
 def _added(residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:

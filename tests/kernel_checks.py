@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+import inference_ref.skinny_linear as skinny
 from inference_ref.attention import cache_mask, use_cached_kernel
 from inference_ref.causal_lm import rms_norm
 from inference_ref.models.llama import apply_rotary, random_llama
@@ -215,7 +216,6 @@ def check_block_shapes(device: str, dtype: torch.dtype) -> None:
     three (the interpreter compiles nothing: the rows change only the masks there). On a GPU a
     shape past its shared memory or registers is left out, as the tuning leaves it out
     (`skinny_linear._timed`); every other one must run."""
-    import inference_ref.skinny_linear as skinny
 
     forced = [(1, shape) for shape in skinny._candidates(1, gpu=True)]
     for i, shape in enumerate(skinny._candidates(skinny.MAX_ROWS, gpu=True)):
@@ -319,10 +319,13 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
     prompt = torch.randint(0, vocab, (rows, 40), device=device)
     steps = [torch.randint(0, vocab, (rows, n), device=device) for n in (1, 3, 1)]
     results = {}
+    configurations = [("sdpa", "cublas", True, False), ("split", "skinny", True, False)]
+    configurations += [("split", "skinny", True, True), ("split", "skinny", False, False)]
     try:
-        for kernels in (("sdpa", "cublas", True), ("split", "skinny", True), ("split", "skinny", False)):
+        for kernels in configurations:  # the last flag: a tile's SiLU·up in gate_up's epilogue
             use_cached_kernel(kernels[0])
-            use_linear_kernel(*kernels[1:])
+            use_linear_kernel(*kernels[1:3])
+            skinny.TILE_ACTIVATION = kernels[3]
             cache = model.new_cache(rows, 64)
             model.forward_cached(prompt, cache)  # a prefill: SDPA and cuBLAS under both
             cache.lengths += lengths  # rows of their own lengths
@@ -334,6 +337,7 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
     finally:  # the defaults back, for whatever runs next in this process (the GPU tests)
         use_cached_kernel("auto")
         use_linear_kernel("auto")
+        skinny.TILE_ACTIVATION = False
     (want, want_cache), *others = results.values()
     for (got, got_cache), kernels in zip(others, list(results)[1:]):
         for g, w in zip(got, want):
@@ -404,7 +408,6 @@ def compile_for_hopper(kernel: str) -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import inference_ref.skinny_linear as skinny
     import inference_ref.split_kv_attention as split
 
     def compiled(fn, pointers: str, scalars: str, constants: dict, warps: int = 4, stages: int = 3) -> str:
