@@ -31,7 +31,9 @@
 # default. Run 8 (2026-12-06, sixth session, an H100): 2-8 rows without tl.dot, 1.06-2.9x slower
 # than the tiles, taken back (docs/benchmarks.md). Run 10 (2026-12-06, seventh session, an H200):
 # split K's A/B at 70B (never chosen: taken out), o8_* (PDL there), t (passed), p, k70_split_skinny,
-# decode64, spec_b*, k_split_skinny; then kp* (the projection with the kernels' step costs).
+# decode64, spec_b*, k_split_skinny. Next, built after run 10 and not yet run on a GPU (docs/benchmarks.md,
+# "After run 10"): ta_* (silu_gate_up's A/B), bp* (block shapes given), kp* (the projection with the
+# kernels' step costs).
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
