@@ -27,7 +27,6 @@ import sys
 
 import torch
 
-import inference_ref.skinny_linear as skinny_linear
 from benchmarks.common import (
     DEVICE,
     DTYPE,
@@ -222,7 +221,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     p.add_argument(
         "--tile-activation",
         action="store_true",
-        help="a tile's SiLU·up in gate_up's epilogue (skinny_linear.TILE_ACTIVATION, off by default "
+        help="a tile's SiLU·up in gate_up's epilogue (use_linear_kernel's tile_activation, off by default "
         "until measured), not in the compiled layer's own kernel; written to ..._tile_activation",
     )
     p.add_argument(
@@ -254,7 +253,6 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     args = p.parse_args(argv)
     if args.block_shapes:
         load_block_shapes(args.block_shapes)
-    skinny_linear.TILE_ACTIVATION = args.tile_activation
     if args.autotune and not args.compiled_layers:
         p.error("--autotune tunes the compiled layers: add --compiled-layers")
     if args.profile and args.layers:
@@ -263,7 +261,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     if args.autotune:
         inductor_autotune()
     use_cached_kernel(args.cached_kernel)
-    use_linear_kernel(args.linear_kernel, folds=not args.unfolded)
+    use_linear_kernel(args.linear_kernel, folds=not args.unfolded, tile_activation=args.tile_activation)
     use_pdl(args.pdl)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]

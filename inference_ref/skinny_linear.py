@@ -580,19 +580,24 @@ def load_block_shapes(path: str) -> int:
 LINEAR_KERNELS = ("auto", "cublas", "skinny")
 _linear_kernel = "auto"
 _folds = True
+_tile_activation = False
 
 
-def use_linear_kernel(name: str, folds: bool = True) -> None:
+def use_linear_kernel(name: str, folds: bool = True, tile_activation: bool = False) -> None:
     """Which kernel `project` runs for a map of at most `MAX_ROWS` rows in 16 bits on CUDA:
     "cublas" (`F.linear`), "skinny" (`skinny_linear`), or "auto", the default: "skinny" inside
     compiled layers, "cublas" elsewhere (eager layers are bound by launches, not reads).
     folds: whether the skinny maps also take the layer's work around them (the RMSNorms, the
     rotary and cache writes after q|k|v, SiLU·up, the residual adds: `project`, `project_mlp`,
-    `project_qkv`); off, that work runs in the compiled layer's own kernels."""
-    global _linear_kernel, _folds
+    `project_qkv`); off, that work runs in the compiled layer's own kernels.
+    tile_activation: with folds, whether `project_mlp` computes a tile's SiLU·up in gate_up's
+    epilogue (`silu_gate_up`); off, in the compiled layer's own kernel. Off by default until a GPU
+    has measured it (`bench_verify_cost --tile-activation`, `speed_run.sh`'s ta_* items; the
+    kernel checks run it on and off)."""
+    global _linear_kernel, _folds, _tile_activation
     if name not in LINEAR_KERNELS:
         raise ValueError(f"linear kernel {name!r}: one of {', '.join(LINEAR_KERNELS)}")
-    _linear_kernel, _folds = name, folds
+    _linear_kernel, _folds, _tile_activation = name, folds, tile_activation
 
 
 def project(
@@ -620,7 +625,7 @@ def project_gated(
     """`residual + linear(silu(gate) · up)` of gate_up = [gate | up] (a gated MLP's down_proj;
     no residual: the map alone). Where `project` would run `skinny_linear` and fold, the residual is
     added in its epilogue, and for one row the activation is computed in its loads."""
-    if _runs_skinny(linear, gate_up) and _folds and gate_up.numel() == gate_up.shape[-1]:
+    if _runs_skinny(linear, gate_up) and _folds and _one_row(gate_up):
         if _folds_residual(residual, gate_up):
             return skinny_linear(gate_up, linear.weight, True, residual)
         return _added(residual, skinny_linear(gate_up, linear.weight, True))
@@ -663,10 +668,9 @@ def project_mlp(
     left out). Where the skinny maps run and fold: one row takes the norm into gate_up's loads and
     the activation into down_proj's (`project_gated`); a tile of rows the activation into
     gate_up's epilogue (`silu_gate_up`), after its norm (`_normed_unless_folded`)."""
-    tile = x.numel() > x.shape[-1]
     if (
-        TILE_ACTIVATION
-        and tile
+        _tile_activation
+        and not _one_row(x)
         and _runs_skinny(gate_up, x)
         and _folds
         and fits_silu_gate_up(gate_up.out_features)
@@ -674,12 +678,6 @@ def project_mlp(
         x, _ = _normed_unless_folded(norm, x)
         return project(down, silu_gate_up(x, gate_up.weight), residual=residual)
     return project_gated(down, project(gate_up, x, norm), residual)
-
-
-TILE_ACTIVATION = False
-"""Whether `project_mlp` computes a tile's SiLU·up in gate_up's epilogue (`silu_gate_up`); off,
-in the compiled layer's own kernel. Off until a GPU has measured it (`bench_verify_cost
---tile-activation`, `speed_run.sh`'s ta_* items; the kernel checks run it on and off)."""
 
 
 def _added(residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
@@ -704,7 +702,11 @@ def _normed_unless_folded(
 def _folds_norm(norm: RMSNorm | None, x: torch.Tensor) -> bool:
     # the project's RMSNorm only (a subclass may compute another norm), over the map's features,
     # of one row (`_tile_product` takes x as loaded)
-    return _folds and type(norm) is RMSNorm and norm.weight.shape == x.shape[-1:] and x.numel() == x.shape[-1]
+    return _folds and type(norm) is RMSNorm and norm.weight.shape == x.shape[-1:] and _one_row(x)
+
+
+def _one_row(x: torch.Tensor) -> bool:
+    return x.numel() == x.shape[-1]
 
 
 def _folds_residual(residual: torch.Tensor | None, x: torch.Tensor) -> bool:

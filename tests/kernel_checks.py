@@ -324,8 +324,7 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
     try:
         for kernels in configurations:  # the last flag: a tile's SiLU·up in gate_up's epilogue
             use_cached_kernel(kernels[0])
-            use_linear_kernel(*kernels[1:3])
-            skinny.TILE_ACTIVATION = kernels[3]
+            use_linear_kernel(*kernels[1:])
             cache = model.new_cache(rows, 64)
             model.forward_cached(prompt, cache)  # a prefill: SDPA and cuBLAS under both
             cache.lengths += lengths  # rows of their own lengths
@@ -337,7 +336,6 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
     finally:  # the defaults back, for whatever runs next in this process (the GPU tests)
         use_cached_kernel("auto")
         use_linear_kernel("auto")
-        skinny.TILE_ACTIVATION = False
     (want, want_cache), *others = results.values()
     for (got, got_cache), kernels in zip(others, list(results)[1:]):
         for g, w in zip(got, want):
