@@ -217,6 +217,13 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         help="one row's Triton kernels launched with programmatic dependent launch on Hopper "
         "(inference_ref.triton_support.use_pdl, the default); --no-pdl: _no_pdl added to the file name",
     )
+    p.add_argument(
+        "--pdl-tiles",
+        action="store_true",
+        help="with --pdl: the Triton kernels over 2-64 rows (a verify's tiles) with PDL too, each "
+        "loading its first weights before the wait (use_pdl's tiles, off by default until measured); "
+        "_pdl_tiles added to the file name",
+    )
     p.add_argument("--tag", default="", help="added to the file name (a partial grid, another device)")
     p.add_argument(
         "--tile-activation",
@@ -262,7 +269,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         inductor_autotune()
     use_cached_kernel(args.cached_kernel)
     use_linear_kernel(args.linear_kernel, folds=not args.unfolded, tile_activation=args.tile_activation)
-    use_pdl(args.pdl)
+    use_pdl(args.pdl, args.pdl_tiles)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
     measured, profiles = {}, None
@@ -296,6 +303,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         + ("_unfolded" if args.unfolded else "")
         + ("_tile_activation" if args.tile_activation else "")
         + ("" if args.pdl else "_no_pdl")
+        + ("_pdl_tiles" if args.pdl and args.pdl_tiles else "")
         + ("_compiled" if args.compiled_layers else "")
         + ("_autotuned" if args.autotune else "")
         + ("_profiled" if args.profile else "")  # its own file: a profiled run times fewer batches
@@ -312,6 +320,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             "folded": not args.unfolded,
             "tile_activation": args.tile_activation,
             "pdl": args.pdl,
+            "pdl_tiles": args.pdl and args.pdl_tiles,
             "skinny_configs": tuned_configs(),
             "block_shapes_from": args.block_shapes,
             "compiled_layers": args.compiled_layers,

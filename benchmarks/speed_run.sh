@@ -121,6 +121,13 @@ run ta_off $ta --tag tile_activation_ab
 run ta_on $ta --tile-activation --tag tile_activation_ab
 run ta_off_again $ta --tag tile_activation_ab_again
 run ta_on_again $ta --tile-activation --tag tile_activation_ab_again
+# PDL for the tiles too (2026-12-06, eighth session; `use_pdl`'s tiles, off by default until this
+# A/B): a verify's 16-64-row tiles and the attention over several query tokens launch with PDL,
+# each tile's first weights loaded before the wait; without and with, in turn, twice
+run pt_off $ta --tag pdl_tiles_ab
+run pt_on $ta --pdl-tiles --tag pdl_tiles_ab
+run pt_off_again $ta --tag pdl_tiles_ab_again
+run pt_on_again $ta --pdl-tiles --tag pdl_tiles_ab_again
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny

@@ -148,31 +148,53 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _tile_product(
-        X, W, n, M, N, K, stride_xm, stride_wn,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        SWAP: tl.constexpr,
+    def _tile_step(
+        acc, X, W, n, m, first, M, N, K, stride_xm, stride_wn, w_first,
+        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PRELOADED: tl.constexpr,
     ):  # fmt: skip
-        # x[m] · w[n] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`). x
-        # goes into the dot as loaded: computed on before it (SiLU·up, 2026-12-05) the maps ran 2×
-        # slower on an H200. SWAP: w · xᵀ, [BLOCK_N, ROWS], transposed once at the end.
+        # One K step of `_tile_product` (the weights `w_first` where PRELOADED).
+        k = first + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            X + m[:, None] * stride_xm + k[None, :],
+            mask=(m[:, None] < M) & (k[None, :] < K),
+            other=0.0,
+        )
+        if PRELOADED:
+            w = w_first
+        else:
+            w = _weight_block(W, n, k, N, K, stride_wn)
+        if SWAP:
+            acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        return acc
+
+    @triton.jit
+    def _tile_product(
+        X, W, n, M, N, K, stride_xm, stride_wn, w_first,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        SWAP: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        # x[m] · w[n] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`; with PDL the first
+        # K step's weights are `w_first`). x goes into the dot as loaded: computed on before it
+        # (SiLU·up, 2026-12-05) the maps ran 2× slower on an H200. SWAP: w · xᵀ, [BLOCK_N, ROWS],
+        # transposed once at the end.
         m = tl.arange(0, ROWS)
         if SWAP:
             acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
         else:
             acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for first in range(0, K, BLOCK_K):
-            k = first + tl.arange(0, BLOCK_K)
-            x = tl.load(
-                X + m[:, None] * stride_xm + k[None, :],
-                mask=(m[:, None] < M) & (k[None, :] < K),
-                other=0.0,
-            )
-            w = _weight_block(W, n, k, N, K, stride_wn)
-            if SWAP:
-                acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
-            else:
-                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        start = 0
+        if PDL:
+            acc = _tile_step(
+                acc, X, W, n, m, 0, M, N, K, stride_xm, stride_wn, w_first, BLOCK_K, PRECISION, SWAP, True
+            )  # fmt: skip
+            start = BLOCK_K
+        for first in range(start, K, BLOCK_K):
+            acc = _tile_step(
+                acc, X, W, n, m, first, M, N, K, stride_xm, stride_wn, w_first,
+                BLOCK_K, PRECISION, SWAP, False,
+            )  # fmt: skip
         if SWAP:
             acc = tl.trans(acc)
         return acc
@@ -186,7 +208,6 @@ if triton is not None:
     ):  # fmt: skip
         # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL).
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.static_assert(ROWS == 1 or not PDL, "PDL launches one row's kernels only (launch_options)")
         w_first = _first_weights(W, n, N, K, stride_wn, BLOCK_K, PDL)
         after_previous_kernel(PDL)
         if ROWS == 1:
@@ -197,7 +218,7 @@ if triton is not None:
         else:
             m = tl.arange(0, ROWS)
             acc = _tile_product(
-                X, W, n, M, N, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP
+                X, W, n, M, N, K, stride_xm, stride_wn, w_first, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL
             )
             inside = (m[:, None] < M) & (n[None, :] < N)
             if RESIDUAL:
@@ -209,7 +230,7 @@ if triton is not None:
     def _silu_gate_up(
         X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        SWAP: tl.constexpr,
+        SWAP: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # silu(gate) · up of BLOCK_N / 2 features j for every row m, of W = [gate | up] (N / 2 rows
         # each): the weight rows of gate j and up j side by side in the block, as `_qkv_rope_cache`
@@ -220,7 +241,11 @@ if triton is not None:
         j = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
         n = tl.reshape(tl.join(j, j + N // 2), [BLOCK_N])
         m = tl.arange(0, ROWS)[:, None]
-        y = _tile_product(X, W, n, M, N, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP)
+        w_first = _first_weights(W, n, N, K, stride_wn, BLOCK_K, PDL)
+        after_previous_kernel(PDL)
+        y = _tile_product(
+            X, W, n, M, N, K, stride_xm, stride_wn, w_first, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL
+        )
         gate, up = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         gate = gate.to(Y.dtype.element_ty).to(tl.float32)
         up = up.to(Y.dtype.element_ty).to(tl.float32)
@@ -247,7 +272,6 @@ if triton is not None:
         lower = head * DIM + j
         n = tl.reshape(tl.join(lower, lower + HALF), [BLOCK_N])
         N = (HEADS + 2 * KV_HEADS) * DIM
-        tl.static_assert(ROWS == 1 or not PDL, "PDL launches one row's kernels only (launch_options)")
         w_first = _first_weights(W, n, N, K, stride_wn, BLOCK_K, PDL)
         after_previous_kernel(PDL)
         if ROWS == 1:
@@ -256,7 +280,9 @@ if triton is not None:
             a, b = tl.split(tl.reshape(y, [1, PAIRS, 2]))
         else:
             m = tl.arange(0, ROWS)[:, None]
-            y = _tile_product(X, W, n, M, N, K, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP)
+            y = _tile_product(
+                X, W, n, M, N, K, stride_xm, stride_wn, w_first, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL
+            )
             a, b = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         there = m < M
         j = j[None, :]
@@ -411,6 +437,7 @@ def silu_gate_up(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out_features, features = weight.shape
     if rows == 1 or flat.shape[1] != features or not fits_silu_gate_up(out_features):
         raise ValueError(f"silu_gate_up: x {tuple(x.shape)} for weight {tuple(weight.shape)}")
+    pdl = _launch_options(x.device, tile, weight)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(rows, out_features // 2, device=x.device, dtype=x.dtype)
@@ -418,7 +445,7 @@ def silu_gate_up(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     def launch(shape: dict) -> None:
         _silu_gate_up[(out_features // shape["BLOCK_N"],)](
             flat, weight, y, rows, out_features, features, flat.stride(0), weight.stride(0), y.stride(0),
-            ROWS=tile, PRECISION=_precision(x), **shape,
+            ROWS=tile, PRECISION=_precision(x), **shape, **pdl,
         )  # fmt: skip
 
     key = ("silu_gate_up", out_features, features, tile, x.dtype, x.device)

@@ -25,6 +25,7 @@ except ImportError:  # a build without Triton
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 _pdl = True  # use_pdl
+_pdl_tiles = False  # use_pdl's tiles
 
 
 def runs_on(device_type: str) -> bool:
@@ -32,19 +33,23 @@ def runs_on(device_type: str) -> bool:
     return triton is not None and (device_type == "cuda" or INTERPRETED)
 
 
-def use_pdl(on: bool = True) -> None:
+def use_pdl(on: bool = True, tiles: bool = False) -> None:
     """Whether one row's kernels launch with PDL where the GPU has it (`launch_options`, the module
     docstring); on by default. In an A/B on one H100 (2026-12-06, docs/benchmarks.md) it made the
     8B shape's decode step at batch 1 3.9 % faster (5.53 → 5.31 ms, twice) and left the other
     steps as they were (the tiles launch without it; the 70B shape's longer maps gained nothing).
-    `bench_verify_cost --no-pdl` turns it off."""
-    global _pdl
-    _pdl = on
+    `bench_verify_cost --no-pdl` turns it off.
+    tiles: with `on`, the kernels over 2 or more rows too (a verify step's 16–64-row tiles, each
+    with its first block of weights loaded before the wait, as one row's); off by default until
+    an A/B on one GPU says it pays (`bench_verify_cost --pdl-tiles`). PDL alone, without the
+    early weights, made them up to 3 % slower on an H100 (2026-12-06, run 1)."""
+    global _pdl, _pdl_tiles
+    _pdl, _pdl_tiles = on, tiles
 
 
-def uses_pdl() -> bool:
-    """What `use_pdl` last set (so that a check can put it back)."""
-    return _pdl
+def uses_pdl() -> tuple[bool, bool]:
+    """What `use_pdl` last set, (on, tiles) (so that a check can put it back)."""
+    return _pdl, _pdl_tiles
 
 
 def _index(device) -> int:
@@ -63,10 +68,16 @@ def _has_pdl(device_index: int) -> bool:
 def launch_options(device, rows: int) -> dict:
     """The PDL constexpr of a kernel on `device` over `rows` rows of x (query tokens for the
     attention), and the launch option that goes with it: with `use_pdl` (the default), for one row (a
-    decode step at batch 1; the tiles of 16-64 rows ran up to 3 % slower with PDL on an H100), on
-    Hopper and later.
+    decode step at batch 1; the tiles of 16-64 rows ran up to 3 % slower with PDL on an H100) and
+    with its `tiles` for more, on Hopper and later.
     Never under the interpreter, which has no grid dependency control."""
-    pdl = rows == 1 and device.type == "cuda" and not INTERPRETED and _pdl and _has_pdl(_index(device))
+    pdl = (
+        (rows == 1 or _pdl_tiles)
+        and device.type == "cuda"
+        and not INTERPRETED
+        and _pdl
+        and _has_pdl(_index(device))
+    )
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
 
 

@@ -360,17 +360,18 @@ def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     default_pdl = uses_pdl()
     try:
-        for pdl, lengths, new in itertools.product((False, True), ([40, 25, 33], [30]), (1, 3)):
+        launches = ((False, False), (True, False), (True, True))  # PDL off, for one row, for tiles too
+        for (pdl, tiles), lengths, new in itertools.product(launches, ([40, 25, 33], [30]), (1, 3)):
             use_pdl(False)
             rows = len(lengths)
             cache = model.new_cache(rows, 64)
             model.forward_cached(torch.randint(0, model.cfg.vocab_size, (rows, 40), device=device), cache)
             cache.lengths += torch.tensor(lengths, device=device)
             eager = DecodeStep(model, cache, new, graph=False)
-            use_pdl(pdl)  # the graph keeps the launches it captures
+            use_pdl(pdl, tiles)  # the graph keeps the launches it captures
             graphed = DecodeStep(model, cache, new, graph=True)
             assert launch_options(cache.lengths.device, rows * new)["PDL"] == (
-                pdl and hopper and rows * new == 1
+                pdl and hopper and (rows * new == 1 or tiles)
             )
             use_pdl(False)
             for _ in range(3):
@@ -378,12 +379,12 @@ def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
                 want = eager(ids).clone()
                 got = graphed(ids)  # the same cache entries written again
                 error = relative_error(got, want)
-                assert error < 10 * tolerance(dtype), (pdl, rows, new, error)
+                assert error < 10 * tolerance(dtype), (pdl, tiles, rows, new, error)
                 cache.lengths += new
     finally:
         use_cached_kernel("auto")
         use_linear_kernel("auto")
-        use_pdl(default_pdl)
+        use_pdl(*default_pdl)
 
 
 POINTER_TYPES = {
@@ -423,19 +424,16 @@ def compile_for_hopper(kernel: str) -> list[str]:
     tile = {"PRECISION": "tf32"}
     done = []
 
-    def launched(rows: int) -> tuple[bool, ...]:  # PDL as `triton_support.launch_options` may launch them
-        return (False, True) if rows == 1 else (False,)
-
     if kernel == "skinny":
         pointers, scalars = "X W Y R G", "M N K stride_xm stride_wn stride_ym stride_rm eps"
         for rows, n, k, warps, stages, swap in shapes:
             for gated, residual, norm in ((False, False, rows == 1), (rows == 1, True, False)):
-                for pdl in launched(rows):
+                for pdl in (False, True):  # as `triton_support.launch_options` may launch them
                     flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap, PDL=pdl)
                     constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags)
                     done.append(compiled(skinny._skinny_gemm, pointers, scalars, constants, warps, stages))
-            if rows > 1:
-                constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, SWAP=swap)
+            for pdl in (False, True) if rows > 1 else ():
+                constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, SWAP=swap, PDL=pdl)
                 pointers_scalars = ("X W Y", "M N K stride_xm stride_wn stride_ym")
                 done.append(compiled(skinny._silu_gate_up, *pointers_scalars, constants, warps, stages))
     elif kernel == "qkv_rope_cache":
@@ -446,7 +444,7 @@ def compile_for_hopper(kernel: str) -> list[str]:
         )
         heads = dict(HEADS=32, KV_HEADS=8, DIM=128)
         for rows, n, k, warps, stages, swap in shapes:
-            for norm, pdl in itertools.product({rows == 1, False}, launched(rows)):
+            for norm, pdl in itertools.product({rows == 1, False}, (False, True)):
                 constants = dict(
                     **heads, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, NORM=norm, SWAP=swap, PDL=pdl
                 )
