@@ -73,8 +73,9 @@ def test_kernels_compile_for_an_h100_or_h200(kernel):
 
 def test_pdl_is_on_by_default_for_one_rows_kernels_on_hopper_only(monkeypatch):
     """Programmatic dependent launch is on by default for kernels over one row, on a GPU that has
-    it; never for tiles, a CPU, the interpreter (whose kernels would not compile with it), or a map
-    whose weights are copied first; `use_pdl(False)` turns it off."""
+    it; not for tiles unless asked (`use_pdl`'s tiles), never on a CPU, the interpreter (whose
+    kernels would not compile with it), or for a map whose weights are copied first;
+    `use_pdl(False)` turns it off."""
     import torch
 
     from inference_ref import skinny_linear, triton_support
@@ -83,7 +84,7 @@ def test_pdl_is_on_by_default_for_one_rows_kernels_on_hopper_only(monkeypatch):
     monkeypatch.setattr(triton_support, "_has_pdl", lambda index: index == 0)  # GPU 0 a Hopper, 1 older
     hopper, older, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
     on = {"PDL": True, "launch_pdl": True}
-    assert triton_support.uses_pdl()  # the default
+    assert triton_support.uses_pdl() == (True, False)  # the default: one row's kernels
     try:
         assert triton_support.launch_options(hopper, 1) == on
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -97,8 +98,13 @@ def test_pdl_is_on_by_default_for_one_rows_kernels_on_hopper_only(monkeypatch):
         monkeypatch.setattr(triton_support, "INTERPRETED", True)
         assert triton_support.launch_options(hopper, 1) == {"PDL": False}
         monkeypatch.setattr(triton_support, "INTERPRETED", False)
-        triton_support.use_pdl(False)
-        assert triton_support.launch_options(hopper, 1) == {"PDL": False}
+        triton_support.use_pdl(True, tiles=True)  # the tiles too, where one row's have it
+        for device, rows, pdl in ((hopper, 16, on), (hopper, 64, on), (older, 16, {"PDL": False})):
+            assert triton_support.launch_options(device, rows) == pdl, (device, rows)
+        assert skinny_linear._launch_options(hopper, 16, weight.t()) == {"PDL": False}
+        triton_support.use_pdl(False, tiles=True)
+        assert triton_support.launch_options(hopper, 1) == triton_support.launch_options(hopper, 16)
+        assert triton_support.launch_options(hopper, 16) == {"PDL": False}
     finally:
         triton_support.use_pdl(True)
 
