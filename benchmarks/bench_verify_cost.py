@@ -232,6 +232,13 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         "until measured), not in the compiled layer's own kernel; written to ..._tile_activation",
     )
     p.add_argument(
+        "--tile-norm",
+        action="store_true",
+        help="a tile's RMSNorm between o_proj and gate_up split between the two maps (use_linear_kernel's "
+        "tile_norm, off by default until measured), not in the compiled layer's own kernel; "
+        "_tile_norm added to the file name",
+    )
+    p.add_argument(
         "--block-shapes",
         help="the skinny maps' block shapes from an earlier run's JSON (its skinny_configs) instead of "
         "timing them (inference_ref.skinny_linear.load_block_shapes): the same kernels in every process",
@@ -268,7 +275,12 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     if args.autotune:
         inductor_autotune()
     use_cached_kernel(args.cached_kernel)
-    use_linear_kernel(args.linear_kernel, folds=not args.unfolded, tile_activation=args.tile_activation)
+    use_linear_kernel(
+        args.linear_kernel,
+        folds=not args.unfolded,
+        tile_activation=args.tile_activation,
+        tile_norm=args.tile_norm,
+    )
     use_pdl(args.pdl, args.pdl_tiles)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
@@ -302,6 +314,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         + ("" if args.linear_kernel == "cublas" else f"_{args.linear_kernel}")
         + ("_unfolded" if args.unfolded else "")
         + ("_tile_activation" if args.tile_activation else "")
+        + ("_tile_norm" if args.tile_norm else "")
         + ("" if args.pdl else "_no_pdl")
         + ("_pdl_tiles" if args.pdl and args.pdl_tiles else "")
         + ("_compiled" if args.compiled_layers else "")
@@ -319,6 +332,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             "linear_kernel": args.linear_kernel,
             "folded": not args.unfolded,
             "tile_activation": args.tile_activation,
+            "tile_norm": args.tile_norm,
             "pdl": args.pdl,
             "pdl_tiles": args.pdl and args.pdl_tiles,
             "skinny_configs": tuned_configs(),

@@ -128,6 +128,13 @@ run pt_off $ta --tag pdl_tiles_ab
 run pt_on $ta --pdl-tiles --tag pdl_tiles_ab
 run pt_off_again $ta --tag pdl_tiles_ab_again
 run pt_on_again $ta --pdl-tiles --tag pdl_tiles_ab_again
+# a tile's RMSNorm between o_proj and gate_up split between the two maps (2026-12-06, eighth
+# session; `use_linear_kernel`'s tile_norm, off by default until this A/B): without and with, in
+# turn, twice
+run tn_off $ta --tag tile_norm_ab
+run tn_on $ta --tile-norm --tag tile_norm_ab
+run tn_off_again $ta --tag tile_norm_ab_again
+run tn_on_again $ta --tile-norm --tag tile_norm_ab_again
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny

@@ -22,6 +22,8 @@ Triton's interpreter (`TRITON_INTERPRET=1`: the tests).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from inference_ref.causal_lm import RMSNorm
@@ -200,13 +202,49 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _inverse_rms(SQ, M, K, eps, ROWS: tl.constexpr):
+        # 1 / rms of each row of x from SQ [K / 16, M], the sums of squares of each 16 of its
+        # features that the map producing x wrote (`_norm_out`): [ROWS], zeros past M.
+        m = tl.arange(0, ROWS)
+        total = tl.zeros([ROWS], tl.float32)
+        for first in range(0, K // 16, 64):
+            p = first + tl.arange(0, 64)
+            part = tl.load(
+                SQ + p[:, None] * M + m[None, :], mask=(p[:, None] < K // 16) & (m[None, :] < M), other=0.0
+            )
+            total += tl.sum(part, 0)
+        return tl.rsqrt(total / K + eps)
+
+    @triton.jit
+    def _norm_out(y, G, YG, SQ, n, m, M, N, stride_ym, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        # For the RMSNorm after a map (`NormedRows`), from its rounded output y [ROWS, BLOCK_N]:
+        # y · g into YG, and y's sums of squares over each 16 of its features into SQ [N / 16, M],
+        # which the next map adds up for 1 / rms (`_inverse_rms`).
+        GROUPS: tl.constexpr = BLOCK_N // 16
+        y = y.to(tl.float32)
+        g = tl.load(G + n, mask=n < N, other=0.0).to(tl.float32)
+        inside = (m[:, None] < M) & (n[None, :] < N)
+        tl.store(
+            YG + m[:, None] * stride_ym + n[None, :], (y * g[None, :]).to(YG.dtype.element_ty), mask=inside
+        )
+        squares = tl.sum(tl.reshape(y * y, [ROWS, GROUPS, 16]), 2)
+        group = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+        there = (m[:, None] < M) & (group[None, :] < N // 16)
+        tl.store(SQ + group[None, :] * M + m[:, None], squares, mask=there)
+
+    @triton.jit
     def _skinny_gemm(
-        X, W, Y, R, G, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+        X, W, Y, R, G, YG, SQ, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
         GATED: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr, SWAP: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, SCALED: tl.constexpr, NORM_OUT: tl.constexpr,
     ):  # fmt: skip
-        # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL).
+        # Output features n of every row m: x[m] · w[n] (+ r[m, n] with RESIDUAL). A tile of rows
+        # may take x = h · g of a norm's input h, its sums of squares in SQ (SCALED: the product
+        # scaled by each row's 1 / rms), or give the next map those of its own output (NORM_OUT:
+        # y · g into YG, g = G, and the squares into SQ).
+        tl.static_assert(ROWS > 1 or not (SCALED or NORM_OUT), "a norm across kernels: tiles only")
+        tl.static_assert(not (SCALED and NORM_OUT), "SQ is the squares in or out")
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         w_first = _first_weights(W, n, N, K, stride_wn, BLOCK_K, PDL)
         after_previous_kernel(PDL)
@@ -220,23 +258,28 @@ if triton is not None:
             acc = _tile_product(
                 X, W, n, M, N, K, stride_xm, stride_wn, w_first, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL
             )
+            if SCALED:
+                acc = acc * _inverse_rms(SQ, M, K, eps, ROWS)[:, None]
             inside = (m[:, None] < M) & (n[None, :] < N)
             if RESIDUAL:
                 r = tl.load(R + m[:, None] * stride_rm + n[None, :], mask=inside, other=0.0)
                 acc += r.to(tl.float32)
-            tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=inside)
+            y = acc.to(Y.dtype.element_ty)
+            tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=inside)
+            if NORM_OUT:
+                _norm_out(y, G, YG, SQ, n, m, M, N, stride_ym, ROWS, BLOCK_N)
 
     @triton.jit
     def _silu_gate_up(
-        X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+        X, W, Y, SQ, M, N, K, stride_xm, stride_wn, stride_ym, eps,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        SWAP: tl.constexpr, PDL: tl.constexpr,
+        SWAP: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
     ):  # fmt: skip
         # silu(gate) · up of BLOCK_N / 2 features j for every row m, of W = [gate | up] (N / 2 rows
         # each): the weight rows of gate j and up j side by side in the block, as `_qkv_rope_cache`
         # holds rotary pairs, so that the epilogue has both. Each is rounded to Y's dtype first, as
         # the map's output would be, then the activation computed in fp32 and rounded once, as the
-        # compiled MLP's fused SiLU·up kernel does.
+        # compiled MLP's fused SiLU·up kernel does. SCALED: x = h · g, as `_skinny_gemm`'s.
         PAIRS: tl.constexpr = BLOCK_N // 2
         j = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
         n = tl.reshape(tl.join(j, j + N // 2), [BLOCK_N])
@@ -246,6 +289,8 @@ if triton is not None:
         y = _tile_product(
             X, W, n, M, N, K, stride_xm, stride_wn, w_first, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL
         )
+        if SCALED:
+            y = y * _inverse_rms(SQ, M, K, eps, ROWS)[:, None]
         gate, up = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         gate = gate.to(Y.dtype.element_ty).to(tl.float32)
         up = up.to(Y.dtype.element_ty).to(tl.float32)
@@ -374,6 +419,7 @@ def skinny_linear(
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] (at most `MAX_ROWS` rows) @ weight [N, K]ᵀ → [..., N], as `F.linear` without bias.
     gated: x is one row [..., 2K], [gate | up], and the map takes silu(gate) · up (a gated MLP's
@@ -383,18 +429,72 @@ def skinny_linear(
     residual add, which would otherwise be a kernel of its own).
     norm_weight [K]: the map takes `rms_norm(x, norm_weight, eps)` of one row (the RMSNorm before
     it, whose sum of squares comes from the loads the product makes anyway; one kernel fewer. One
-    row only, as gated)."""
+    row only, as gated).
+    squares [K / 16, rows]: x is h · g of a tile of rows whose RMSNorm (weight g) the map producing
+    h left to this one (`skinny_linear_norm_out`): the product is scaled by each row's 1 / rms,
+    from these sums of squares of h and eps (one kernel fewer for a tile)."""
+    return _skinny(x, weight, gated, residual, norm_weight, eps, squares)[0]
+
+
+@skinny_linear.register_fake
+def _(x, weight, gated=False, residual=None, norm_weight=None, eps=0.0, squares=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("inference_ref::skinny_linear_norm_out", mutates_args=())
+def skinny_linear_norm_out(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h = residual + x @ weightᵀ (residual None: left out) for a tile of 2 to `MAX_ROWS` rows, and
+    what the RMSNorm after it (weight g = norm_weight [N]) needs, from the same epilogue: (h, h · g,
+    the sums of squares of each 16 of h's features [N / 16, rows]). The next map takes the last two
+    (`skinny_linear`'s or `silu_gate_up`'s squares) instead of a norm kernel running between them.
+    N must be a multiple of 16."""
+    if x.numel() == x.shape[-1] or norm_weight.shape != weight.shape[:1] or weight.shape[0] % 16:
+        raise ValueError(
+            f"skinny_linear_norm_out: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+            f"norm_weight {tuple(norm_weight.shape)}"
+        )
+    y, scaled, squares = _skinny(x, weight, False, residual, norm_weight, 0.0, None, norm_out=True)
+    return y, scaled, squares
+
+
+@skinny_linear_norm_out.register_fake
+def _(x, weight, residual, norm_weight):
+    y = x.new_empty(*x.shape[:-1], weight.shape[0])
+    return (
+        y,
+        torch.empty_like(y),
+        x.new_empty(weight.shape[0] // 16, x.numel() // x.shape[-1], dtype=torch.float32),
+    )
+
+
+def _skinny(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    gated: bool,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    squares: torch.Tensor | None,
+    norm_out: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_skinny_gemm` for `skinny_linear` and `skinny_linear_norm_out` (norm_out: norm_weight is
+    the norm's after the map, not before): (y, y · g, squares), the last two y where not norm_out."""
     flat, tile = _rows(x)
     rows = flat.shape[0]
     out_features, features = weight.shape
-    one_row_only = gated or norm_weight is not None
+    one_row_only = gated or (norm_weight is not None and not norm_out)
     if (
         flat.shape[1] != (2 if gated else 1) * features
         or (one_row_only and rows != 1)
         or (gated and norm_weight is not None)
+        or (squares is not None and (rows == 1 or squares.shape != (features // 16, rows) or features % 16))
     ):
         raise ValueError(
-            f"skinny_linear: x {tuple(x.shape)} for weight {tuple(weight.shape)} (gated={gated})"
+            f"skinny_linear: x {tuple(x.shape)} for weight {tuple(weight.shape)} (gated={gated}"
+            + ("" if squares is None else f", squares {tuple(squares.shape)}")
+            + ")"
         )
     pdl = _launch_options(x.device, tile, weight)
     if weight.stride(-1) != 1:
@@ -404,48 +504,60 @@ def skinny_linear(
     if r.stride(-1) != 1:
         r = r.contiguous()
     g = y if norm_weight is None else norm_weight.contiguous()
+    scaled = torch.empty_like(y) if norm_out else y
+    if norm_out:
+        sq = torch.empty(out_features // 16, rows, device=x.device, dtype=torch.float32)
+    else:
+        sq = y if squares is None else squares.contiguous()
 
     def launch(shape: dict) -> None:
         _skinny_gemm[(triton.cdiv(out_features, shape["BLOCK_N"]),)](
-            flat, weight, y, r, g, rows, out_features, features,
+            flat, weight, y, r, g, scaled, sq, rows, out_features, features,
             flat.stride(0), weight.stride(0), y.stride(0), r.stride(0), eps,
             ROWS=tile, PRECISION=_precision(x), GATED=gated, RESIDUAL=residual is not None,
-            NORM=norm_weight is not None, **shape, **pdl,
+            NORM=norm_weight is not None and not norm_out, SCALED=squares is not None, NORM_OUT=norm_out,
+            **shape, **pdl,
         )  # fmt: skip
 
     # one block shape with or without a residual or a norm: they add N or K values a row
     key = ("gated" if gated else "plain", out_features, features, tile, x.dtype, x.device)
     launch(_block_shape(key, launch, _candidates(tile)))
-    return y.view(*x.shape[:-1], out_features)
-
-
-@skinny_linear.register_fake
-def _(x, weight, gated=False, residual=None, norm_weight=None, eps=0.0):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+    lead = x.shape[:-1]
+    return y.view(*lead, out_features), scaled.view(*lead, out_features), sq
 
 
 @torch.library.custom_op("inference_ref::silu_gate_up", mutates_args=())
-def silu_gate_up(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_gate_up(
+    x: torch.Tensor, weight: torch.Tensor, squares: torch.Tensor | None = None, eps: float = 0.0
+) -> torch.Tensor:
     """silu(gate) · up of [gate | up] = x @ weightᵀ (weight [2I, K], the gate's rows first) →
     [..., I]: a gated MLP's gate_up_proj and its activation in one kernel, for 2 to `MAX_ROWS` rows
     (one row takes the activation into down_proj's loads instead: `skinny_linear`'s gated). The
     activation is computed in the epilogue on the tile's sums (`_silu_gate_up`): x goes into the
     dot as loaded, which the tiles need (module docstring). One kernel a layer fewer in a verify
-    step, and half of gate_up's output written. I must be a multiple of 8 (`fits_silu_gate_up`)."""
+    step, and half of gate_up's output written. I must be a multiple of 8 (`fits_silu_gate_up`).
+    squares, eps: x is h · g, the norm before the map left to it (`skinny_linear`'s)."""
     flat, tile = _rows(x)
     rows = flat.shape[0]
     out_features, features = weight.shape
-    if rows == 1 or flat.shape[1] != features or not fits_silu_gate_up(out_features):
+    if (
+        rows == 1
+        or flat.shape[1] != features
+        or not fits_silu_gate_up(out_features)
+        or (squares is not None and (squares.shape != (features // 16, rows) or features % 16))
+    ):
         raise ValueError(f"silu_gate_up: x {tuple(x.shape)} for weight {tuple(weight.shape)}")
     pdl = _launch_options(x.device, tile, weight)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(rows, out_features // 2, device=x.device, dtype=x.dtype)
+    sq = y if squares is None else squares.contiguous()
 
     def launch(shape: dict) -> None:
         _silu_gate_up[(out_features // shape["BLOCK_N"],)](
-            flat, weight, y, rows, out_features, features, flat.stride(0), weight.stride(0), y.stride(0),
-            ROWS=tile, PRECISION=_precision(x), **shape, **pdl,
+            flat, weight, y, sq, rows, out_features, features,
+            flat.stride(0), weight.stride(0), y.stride(0), eps,
+            ROWS=tile, PRECISION=_precision(x), SCALED=squares is not None, **shape, **pdl,
         )  # fmt: skip
 
     key = ("silu_gate_up", out_features, features, tile, x.dtype, x.device)
@@ -454,7 +566,7 @@ def silu_gate_up(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @silu_gate_up.register_fake
-def _(x, weight):
+def _(x, weight, squares=None, eps=0.0):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
 
@@ -608,9 +720,12 @@ LINEAR_KERNELS = ("auto", "cublas", "skinny")
 _linear_kernel = "auto"
 _folds = True
 _tile_activation = False
+_tile_norm = False
 
 
-def use_linear_kernel(name: str, folds: bool = True, tile_activation: bool = False) -> None:
+def use_linear_kernel(
+    name: str, folds: bool = True, tile_activation: bool = False, tile_norm: bool = False
+) -> None:
     """Which kernel `project` runs for a map of at most `MAX_ROWS` rows in 16 bits on CUDA:
     "cublas" (`F.linear`), "skinny" (`skinny_linear`), or "auto", the default: "skinny" inside
     compiled layers, "cublas" elsewhere (eager layers are bound by launches, not reads).
@@ -620,11 +735,31 @@ def use_linear_kernel(name: str, folds: bool = True, tile_activation: bool = Fal
     tile_activation: with folds, whether `project_mlp` computes a tile's SiLU·up in gate_up's
     epilogue (`silu_gate_up`); off, in the compiled layer's own kernel. Off by default until a GPU
     has measured it (`bench_verify_cost --tile-activation`, `speed_run.sh`'s ta_* items; the
-    kernel checks run it on and off)."""
-    global _linear_kernel, _folds, _tile_activation
+    kernel checks run it on and off).
+    tile_norm: with folds, whether a tile's RMSNorm between two maps of a layer is split between
+    them (`project`'s norm_after, `NormedRows`): the first writes h · g and its sums of squares,
+    the second scales its sums by 1 / rms; off, the norm runs in the compiled layer's own kernel.
+    Off by default until a GPU has measured it (`bench_verify_cost --tile-norm`)."""
+    global _linear_kernel, _folds, _tile_activation, _tile_norm
     if name not in LINEAR_KERNELS:
         raise ValueError(f"linear kernel {name!r}: one of {', '.join(LINEAR_KERNELS)}")
-    _linear_kernel, _folds, _tile_activation = name, folds, tile_activation
+    _linear_kernel, _folds, _tile_activation, _tile_norm = name, folds, tile_activation, tile_norm
+
+
+class NormedRows(NamedTuple):
+    """Rows h of the residual stream from a map that also did the first half of the RMSNorm after
+    it (`project`'s norm_after: `skinny_linear_norm_out`): h · g and h's sums of squares over each
+    16 of its features [features / 16, rows]. The map that takes the normed rows (`project_mlp`)
+    scales its sums by each row's 1 / rms, so that no norm kernel runs between the two."""
+
+    rows: torch.Tensor
+    scaled: torch.Tensor
+    squares: torch.Tensor
+
+
+def residual_stream(h: torch.Tensor | NormedRows) -> torch.Tensor:
+    """The rows h themselves, whether or not a map did half of their norm (`NormedRows`)."""
+    return h.rows if isinstance(h, NormedRows) else h
 
 
 def project(
@@ -632,17 +767,22 @@ def project(
     x: torch.Tensor,
     norm: RMSNorm | None = None,
     residual: torch.Tensor | None = None,
-) -> torch.Tensor:
+    norm_after: RMSNorm | None = None,
+) -> torch.Tensor | NormedRows:
     """`residual + linear(norm(x))` (a None left out), through `skinny_linear` where
     `use_linear_kernel` says so: a plain bias-free `nn.Linear` (not an FP8 or tensor-parallel one,
     whose modules run their own kernels) on CUDA, 16-bit, with at most `MAX_ROWS` rows. The norm
     and the residual go into its kernel where they fold (`use_linear_kernel`), and are their own
-    operations otherwise."""
+    operations otherwise. norm_after: the RMSNorm the caller applies to the result next (it passes
+    it on to `project_mlp`); where a tile of rows splits it between the maps (`use_linear_kernel`'s
+    tile_norm) the result is `NormedRows`."""
     if not _runs_skinny(linear, x):
         return _added(residual, linear(x if norm is None else norm(x)))
     x, norm = _normed_unless_folded(norm, x)
     if not _folds_residual(residual, x):
         return _added(residual, skinny_linear(x, linear.weight, False, None, *_norm_args(norm)))
+    if _splits_norm(norm_after, linear.out_features, x) and norm is None:
+        return NormedRows(*skinny_linear_norm_out(x, linear.weight, residual, norm_after.weight))
     return skinny_linear(x, linear.weight, False, residual, *_norm_args(norm))
 
 
@@ -695,6 +835,15 @@ def project_mlp(
     left out). Where the skinny maps run and fold: one row takes the norm into gate_up's loads and
     the activation into down_proj's (`project_gated`); a tile of rows the activation into
     gate_up's epilogue (`silu_gate_up`), after its norm (`_normed_unless_folded`)."""
+    if isinstance(x, NormedRows):  # the map before did half of the norm: gate_up does the rest
+        if not _runs_skinny(gate_up, x.scaled):
+            return project_mlp(gate_up, down, x.rows, norm, residual)
+        if _tile_activation and fits_silu_gate_up(gate_up.out_features):
+            return project(
+                down, silu_gate_up(x.scaled, gate_up.weight, x.squares, norm.eps), residual=residual
+            )
+        gate_up_out = skinny_linear(x.scaled, gate_up.weight, squares=x.squares, eps=norm.eps)
+        return project_gated(down, gate_up_out, residual)
     if (
         _tile_activation
         and not _one_row(x)
@@ -730,6 +879,19 @@ def _folds_norm(norm: RMSNorm | None, x: torch.Tensor) -> bool:
     # the project's RMSNorm only (a subclass may compute another norm), over the map's features,
     # of one row (`_tile_product` takes x as loaded)
     return _folds and type(norm) is RMSNorm and norm.weight.shape == x.shape[-1:] and _one_row(x)
+
+
+def _splits_norm(norm: RMSNorm | None, features: int, x: torch.Tensor) -> bool:
+    # the norm after a map of `features` outputs, for a tile of rows (`NormedRows`): the project's
+    # RMSNorm only, over whole groups of 16 features (`skinny_linear_norm_out`)
+    return (
+        _folds
+        and _tile_norm
+        and type(norm) is RMSNorm
+        and norm.weight.shape == (features,)
+        and features % 16 == 0
+        and not _one_row(x)
+    )
 
 
 def _one_row(x: torch.Tensor) -> bool:

@@ -125,6 +125,7 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
         assert got.shape == (*x_shape[:-1], features)
         err = relative_error(got, F.silu(gate) * up)
         assert err < tolerance(dtype), ("silu_gate_up", x_shape, features, err)
+    check_split_norm(device, dtype)
     x, w = torch.randn(3, 40, device=device, dtype=dtype), torch.randn(24, 40, device=device, dtype=dtype)
     torch.library.opcheck(silu_gate_up, (x, torch.randn(32, 40, device=device, dtype=dtype)))
     torch.library.opcheck(skinny_linear, (x, w), test_utils=("test_schema", "test_faketensor"))
@@ -138,6 +139,51 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
     torch.library.opcheck(
         skinny_linear, (x[:1], w, False, None, g, 1e-6), test_utils=("test_schema", "test_faketensor")
     )
+
+
+def check_split_norm(device: str, dtype: torch.dtype, shape: dict | None = None) -> int:
+    """A tile's RMSNorm split between two maps (`skinny_linear_norm_out`, then `skinny_linear`'s
+    or `silu_gate_up`'s squares): h = r + x · w, h · g and h's sums of squares by 16 features, and
+    the next maps of the normed h, against PyTorch's in fp64 (h rounded to the dtype first, as the
+    norm's input is). `shape`: forced on every map (`check_block_shape`). Returns the maps run."""
+    torch.manual_seed(3)
+    cases = [((3, 5, 64), 48, 40), ((2, 96), 80, 24)] if shape is None else [((9, 64), 80, 128)]
+    for x_shape, hidden, out_features in cases:
+        x = torch.randn(*x_shape, device=device, dtype=dtype) / x_shape[-1] ** 0.5
+        w = torch.randn(hidden, x_shape[-1], device=device, dtype=dtype)
+        r = torch.randn(*x_shape[:-1], hidden, device=device, dtype=dtype)
+        g = 1 + 0.5 * torch.randn(hidden, device=device, dtype=dtype)
+        h, scaled, squares = skinny.skinny_linear_norm_out(x, w, r, g)
+        want = F.linear(x.double(), w.double()) + r
+        assert relative_error(h, want) < tolerance(dtype), ("norm_out", x_shape, relative_error(h, want))
+        hd = h.double().reshape(-1, hidden)
+        assert relative_error(scaled, h.double() * g.double()) < tolerance(dtype), ("h · g", x_shape)
+        sums = (hd * hd).unflatten(1, (-1, 16)).sum(-1).T
+        assert squares.shape == sums.shape and relative_error(squares, sums) < 1e-5, ("squares", x_shape)
+        w_next = torch.randn(2 * out_features, hidden, device=device, dtype=dtype) / hidden**0.5
+        normed = F.linear(rms_norm(h.double(), g.double(), 1e-5), w_next.double())
+        got = skinny_linear(scaled, w_next, squares=squares, eps=1e-5)
+        assert relative_error(got, normed) < tolerance(dtype), (
+            "scaled",
+            x_shape,
+            relative_error(got, normed),
+        )
+        gate, up = normed.to(dtype).double().chunk(2, dim=-1)
+        got = silu_gate_up(scaled, w_next, squares, 1e-5)
+        err = relative_error(got, F.silu(gate) * up)
+        assert err < tolerance(dtype), ("scaled silu_gate_up", x_shape, err)
+    if shape is None:
+        args = (x, w, r, g)
+        torch.library.opcheck(
+            skinny.skinny_linear_norm_out, args, test_utils=("test_schema", "test_faketensor")
+        )
+        for bad in ((x, w, r, g[1:]), (x[:1, :1], w, r[:1, :1], g)):  # g not h's; one row
+            try:
+                skinny.skinny_linear_norm_out(*bad)
+            except ValueError:
+                continue
+            raise AssertionError("skinny_linear_norm_out took bad arguments")
+    return 3 * len(cases)
 
 
 def check_qkv_rope_cache(device: str, dtype: torch.dtype) -> None:
@@ -274,6 +320,8 @@ def check_block_shape(skinny, tile: int, shape: dict, device: str, dtype: torch.
         err = relative_error(skinny.silu_gate_up(x, w_gate_up), F.silu(gate) * up)
         assert err < tolerance(dtype), ("silu_gate_up", tile, shape, err)
         cases.append("silu_gate_up")
+        # the norm split between maps: silu_gate_up's 2I = 256, whole blocks at every BLOCK_N
+        cases += ["split norm"] * check_split_norm(device, dtype, shape)
     rope = skinny.holds_rotary_pairs(shape, dim)
     if rope:
         batch, new = (1, 1) if tile == 1 else (rows // 4 + 1, 4)
@@ -321,8 +369,9 @@ def check_steps(model, lengths: torch.Tensor, dtype: torch.dtype) -> None:
     results = {}
     configurations = [("sdpa", "cublas", True, False), ("split", "skinny", True, False)]
     configurations += [("split", "skinny", True, True), ("split", "skinny", False, False)]
+    configurations += [("split", "skinny", True, False, True), ("split", "skinny", True, True, True)]
     try:
-        for kernels in configurations:  # the last flag: a tile's SiLU·up in gate_up's epilogue
+        for kernels in configurations:  # then: a tile's SiLU·up in gate_up's epilogue, its norm split
             use_cached_kernel(kernels[0])
             use_linear_kernel(*kernels[1:])
             cache = model.new_cache(rows, 64)
@@ -388,6 +437,7 @@ def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
 
 
 POINTER_TYPES = {
+    "SQ": "*fp32",
     "Slots": "*i64",
     "Lengths": "*i64",
     "Part": "*fp32",
@@ -425,16 +475,20 @@ def compile_for_hopper(kernel: str) -> list[str]:
     done = []
 
     if kernel == "skinny":
-        pointers, scalars = "X W Y R G", "M N K stride_xm stride_wn stride_ym stride_rm eps"
+        pointers, scalars = "X W Y R G YG SQ", "M N K stride_xm stride_wn stride_ym stride_rm eps"
         for rows, n, k, warps, stages, swap in shapes:
-            for gated, residual, norm in ((False, False, rows == 1), (rows == 1, True, False)):
+            variants = [(False, False, rows == 1, False, False), (rows == 1, True, False, False, False)]
+            if rows > 1:  # a norm split between maps: the first's epilogue, the second's
+                variants += [(False, True, False, False, True), (False, False, False, True, False)]
+            for gated, residual, norm, scaled, norm_out in variants:
                 for pdl in (False, True):  # as `triton_support.launch_options` may launch them
                     flags = dict(GATED=gated, RESIDUAL=residual, NORM=norm, SWAP=swap, PDL=pdl)
+                    flags |= dict(SCALED=scaled, NORM_OUT=norm_out)
                     constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags)
                     done.append(compiled(skinny._skinny_gemm, pointers, scalars, constants, warps, stages))
-            for pdl in (False, True) if rows > 1 else ():
-                constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, SWAP=swap, PDL=pdl)
-                pointers_scalars = ("X W Y", "M N K stride_xm stride_wn stride_ym")
+            for pdl, scaled in itertools.product((False, True), (False, True)) if rows > 1 else ():
+                constants = dict(ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, SWAP=swap, PDL=pdl, SCALED=scaled)
+                pointers_scalars = ("X W Y SQ", "M N K stride_xm stride_wn stride_ym eps")
                 done.append(compiled(skinny._silu_gate_up, *pointers_scalars, constants, warps, stages))
     elif kernel == "qkv_rope_cache":
         pointers = "X W G Q KC VC Cos Sin Slots"

@@ -25,7 +25,7 @@ from inference_ref.causal_lm import (
     eos_token_ids,
 )
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, init_random, read_tensors, safetensors_files
-from inference_ref.skinny_linear import project, project_mlp, project_qkv
+from inference_ref.skinny_linear import NormedRows, project, project_mlp, project_qkv, residual_stream
 from inference_ref.split_kv_attention import split_kv_attention
 
 # ---------------------------------------------------------------------------------------------
@@ -211,12 +211,15 @@ class Attention(nn.Module):
         o = packed_causal_attention(q, k, v, cu_seqlens, max_len)
         return self.o_proj(o.flatten(-2))
 
-    def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask, norm=None, residual=None):
+    def forward_cached(
+        self, x, cos, sin, k_cache, v_cache, slots, mask, norm=None, residual=None, norm_after=None
+    ):
         """x [B, S, H] → residual + attention(norm(x)) (None: left out); writes the new K/V at
         `slots` [B, S] of this layer's cache, then attends. No mask: a consecutive run, each token
         seeing the keys up to its own slot (`Placement`). The norm, rotary, cache writes and the
         residual add go into the maps' kernels where they fold (`skinny_linear.use_linear_kernel`;
-        not under a kind's own `heads`, e.g. Qwen3's q/k norms)."""
+        not under a kind's own `heads`, e.g. Qwen3's q/k norms). norm_after: the norm the caller
+        applies next, which o_proj may start (`skinny_linear.project`: then `NormedRows`)."""
         q = None
         if type(self).heads is Attention.heads:
             q = project_qkv(self.qkv_proj, x, norm, cos, sin, k_cache, v_cache, slots)
@@ -230,7 +233,7 @@ class Attention(nn.Module):
         else:
             key_len = mask.shape[-1]
             o = cached_attention(q, k_cache[:, :key_len], v_cache[:, :key_len], mask)
-        return project(self.o_proj, o.flatten(-2), residual=residual)
+        return project(self.o_proj, o.flatten(-2), residual=residual, norm_after=norm_after)
 
 
 class MLP(nn.Module):
@@ -240,10 +243,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
+        self, x: torch.Tensor | NormedRows, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
     ) -> torch.Tensor:
         """residual + mlp(norm(x)) (None: left out); the norm, the activation and the residual in
-        the maps' kernels where they fold (`skinny_linear.project_mlp`)."""
+        the maps' kernels where they fold (`skinny_linear.project_mlp`; x may come with half of
+        its norm done, `NormedRows`)."""
         return project_mlp(self.gate_up_proj, self.down_proj, x, norm, residual)
 
 
@@ -261,10 +265,11 @@ class DecoderLayer(nn.Module):
 
     def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask):
         # as forward_packed, with the norms and residual adds handed to the maps that fold them
-        x = self.self_attn.forward_cached(
-            x, cos, sin, k_cache, v_cache, slots, mask, norm=self.input_layernorm, residual=x
+        norm = self.post_attention_layernorm
+        h = self.self_attn.forward_cached(
+            x, cos, sin, k_cache, v_cache, slots, mask, self.input_layernorm, x, norm_after=norm
         )
-        return self.mlp(x, residual=x, norm=self.post_attention_layernorm)
+        return self.mlp(h, residual=residual_stream(h), norm=norm)
 
 
 class LlamaModel(CausalLM):
