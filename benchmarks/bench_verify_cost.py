@@ -234,9 +234,9 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     p.add_argument(
         "--tile-norm",
         action="store_true",
-        help="a tile's RMSNorm between o_proj and gate_up split between the two maps (use_linear_kernel's "
-        "tile_norm, off by default until measured), not in the compiled layer's own kernel; "
-        "_tile_norm added to the file name",
+        help="a tile's RMSNorms split between the maps before and after them (o_proj and gate_up; "
+        "down_proj and the next layer's q|k|v: use_linear_kernel's tile_norm, off by default until "
+        "measured), not in the compiled layer's own kernels; _tile_norm added to the file name",
     )
     p.add_argument(
         "--block-shapes",

@@ -15,7 +15,7 @@ import hashlib
 import json
 import warnings
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -41,6 +41,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+class NormedRows(NamedTuple):
+    """Rows h of the residual stream from a map that also did the first half of the RMSNorm after
+    it (`skinny_linear.project`'s norm_after, `skinny_linear_norm_out`): h · g and h's sums of
+    squares over each 16 of its features [features / 16, rows]. The map that takes the normed
+    rows (`skinny_linear.project_mlp`, `project_qkv`) scales its sums by each row's 1 / rms, so
+    that no norm kernel runs between the two."""
+
+    rows: torch.Tensor
+    scaled: torch.Tensor
+    squares: torch.Tensor
+
+
+def residual_stream(h: torch.Tensor | NormedRows) -> torch.Tensor:
+    """The rows h themselves, whether or not a map did half of their norm (`NormedRows`)."""
+    return h.rows if isinstance(h, NormedRows) else h
 
 
 class RMSNorm(nn.Module):
@@ -147,6 +164,9 @@ class CausalLM(nn.Module):
     split_kv_attention: ClassVar[bool] = False
     """Whether its layers take a consecutive step without a mask, through
     `attention.split_kv_attention` (`attention.uses_split_kv` says when)."""
+    passes_norms: ClassVar[bool] = False
+    """Whether its layers' cached forward takes the next layer's input_layernorm (`norm_after`)
+    and may return `skinny_linear.NormedRows` to the next layer instead of a tensor."""
     tp_size: int = 1
     """Ranks its layers are sharded over (`inference_ref.tensor_parallel`); each keeps 1/tp_size of
     the attention heads and so of the KV cache."""
@@ -287,9 +307,24 @@ class CausalLM(nn.Module):
         entering = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
-                entering[i] = x
-            x = self.cached_layer(layer, x, cos, sin, *cache.layer(i), slots, mask)
+                entering[i] = residual_stream(x)
+            x = self.cached_layer(
+                layer, x, cos, sin, *cache.layer(i), slots, mask, *self._norm_after(i, mask)
+            )
         return widened(x, entering, capture, len(self.layers))
+
+    def _norm_after(self, i: int, mask) -> tuple:
+        """The extra argument of layer i's cached forward where the kind's layers hand a tile's
+        norm on to the next layer's maps (`passes_norms`): that layer's input_layernorm (None for
+        the last, whose state leaves the loop whole). Steps without a mask only (the split-key
+        attention's: a masked step's compiled layer marks its tensor inputs per batch size), and
+        only while the maps split norms (`skinny_linear.use_linear_kernel`'s tile_norm), so that
+        the compiled layer otherwise keeps its one graph (the last layer's None would add one)."""
+        from inference_ref.skinny_linear import splits_tile_norms  # it imports this module
+
+        if not (self.passes_norms and mask is None and splits_tile_norms()):
+            return ()
+        return (self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None,)
 
 
 def widened(

@@ -22,11 +22,9 @@ Triton's interpreter (`TRITON_INTERPRET=1`: the tests).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from inference_ref.causal_lm import RMSNorm
+from inference_ref.causal_lm import NormedRows, RMSNorm, residual_stream
 from inference_ref.triton_support import INTERPRETED, launch_options, runs_on, tl, triton
 
 if triton is not None:
@@ -299,16 +297,17 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_cache(
-        X, W, G, Q, KC, VC, Cos, Sin, Slots, M, K, new, eps,
+        X, W, G, Q, KC, VC, Cos, Sin, Slots, SQ, M, K, new, eps,
         stride_xm, stride_wn, stride_qm, stride_qh, stride_cm, stride_sb, stride_ss,
         stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        NORM: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
+        NORM: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
     ):  # fmt: skip
         # BLOCK_N / 2 rotary pairs (j, j + DIM / 2) of one head of q, k or v: the weight rows of
         # each pair side by side, so that the epilogue rotates q and k as `apply_rotary` does (the
         # rotate_half convention), then stores q, or writes k or v into its cache at the rows' slots.
+        # SCALED: x = h · g, as `_skinny_gemm`'s.
         PAIRS: tl.constexpr = BLOCK_N // 2
         HALF: tl.constexpr = DIM // 2
         pair = tl.program_id(0) * PAIRS
@@ -328,6 +327,8 @@ if triton is not None:
             y = _tile_product(
                 X, W, n, M, N, K, stride_xm, stride_wn, w_first, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL
             )
+            if SCALED:
+                y = y * _inverse_rms(SQ, M, K, eps, ROWS)[:, None]
             a, b = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         there = m < M
         j = j[None, :]
@@ -587,13 +588,16 @@ def qkv_rope_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A Llama attention's fused q|k|v map with what follows it up to the attention, in one kernel:
     x [B, S, K] (at most `MAX_ROWS` tokens; `rms_norm(x, norm_weight, eps)` where norm_weight is
     given, one token only, as `skinny_linear`'s) @ weight [(H + 2·Hkv)·d, K]ᵀ, q and k rotated by cos/sin [B, S, d] (`apply_rotary`),
     k and v written into the caches [B, L, Hkv, d] at slots [B, S] → q [B, S, H, d]. Three
     elementwise kernels fewer per layer than the map and Inductor's rotary and cache writes. The
-    slots are the caller's to keep inside the cache (checking them would synchronize the step)."""
+    slots are the caller's to keep inside the cache (checking them would synchronize the step).
+    squares [K / 16, B·S]: x is h · g of a tile of rows whose RMSNorm the map producing h left to
+    this one, as `skinny_linear`'s (the layer before's down_proj: `NormedRows`)."""
     batch, new = slots.shape
     kv_heads, dim = k_cache.shape[2:]
     heads, features = weight.shape[0] // dim - 2 * kv_heads, x.shape[-1]
@@ -602,6 +606,7 @@ def qkv_rope_cache(
         or x.shape != (batch, new, features)
         or weight.shape[1] != features
         or (norm_weight is not None and batch * new != 1)
+        or (squares is not None and (squares.shape != (features // 16, batch * new) or batch * new == 1))
         or v_cache.shape != k_cache.shape
         or k_cache.dtype != v_cache.dtype
         or k_cache.stride(-1) != 1
@@ -622,16 +627,17 @@ def qkv_rope_cache(
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     g = q if norm_weight is None else norm_weight.contiguous()
+    sq = q if squares is None else squares.contiguous()
 
     def launch(shape: dict) -> None:
         _qkv_rope_cache[(weight.shape[0] // shape["BLOCK_N"],)](
-            flat, weight, g, q, k_cache, v_cache, cos, sin, slots, flat.shape[0], flat.shape[1], new, eps,
+            flat, weight, g, q, k_cache, v_cache, cos, sin, slots, sq, flat.shape[0], flat.shape[1], new, eps,
             flat.stride(0), weight.stride(0), q.stride(1), q.stride(2), cos.stride(0),
             slots.stride(0), slots.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             HEADS=heads, KV_HEADS=kv_heads, DIM=dim, ROWS=tile, PRECISION=_precision(x),
-            NORM=norm_weight is not None, **shape, **pdl,
+            NORM=norm_weight is not None, SCALED=squares is not None, **shape, **pdl,
         )  # fmt: skip
 
     # rewriting the same cache entries while the shapes are timed changes nothing
@@ -641,7 +647,7 @@ def qkv_rope_cache(
 
 
 @qkv_rope_cache.register_fake
-def _(x, weight, norm_weight, eps, cos, sin, k_cache, v_cache, slots):
+def _(x, weight, norm_weight, eps, cos, sin, k_cache, v_cache, slots, squares=None):
     kv_heads, dim = k_cache.shape[2:]
     return x.new_empty(*slots.shape, weight.shape[0] // dim - 2 * kv_heads, dim)
 
@@ -736,9 +742,10 @@ def use_linear_kernel(
     epilogue (`silu_gate_up`); off, in the compiled layer's own kernel. Off by default until a GPU
     has measured it (`bench_verify_cost --tile-activation`, `speed_run.sh`'s ta_* items; the
     kernel checks run it on and off).
-    tile_norm: with folds, whether a tile's RMSNorm between two maps of a layer is split between
-    them (`project`'s norm_after, `NormedRows`): the first writes h · g and its sums of squares,
-    the second scales its sums by 1 / rms; off, the norm runs in the compiled layer's own kernel.
+    tile_norm: with folds, whether a tile's RMSNorm between two maps is split between them
+    (`project`'s norm_after, `NormedRows`: o_proj and gate_up, and down_proj and the next layer's
+    q|k|v): the first writes h · g and its sums of squares, the second scales its sums by 1 / rms;
+    off, the norm runs in the compiled layer's own kernel.
     Off by default until a GPU has measured it (`bench_verify_cost --tile-norm`)."""
     global _linear_kernel, _folds, _tile_activation, _tile_norm
     if name not in LINEAR_KERNELS:
@@ -746,20 +753,9 @@ def use_linear_kernel(
     _linear_kernel, _folds, _tile_activation, _tile_norm = name, folds, tile_activation, tile_norm
 
 
-class NormedRows(NamedTuple):
-    """Rows h of the residual stream from a map that also did the first half of the RMSNorm after
-    it (`project`'s norm_after: `skinny_linear_norm_out`): h · g and h's sums of squares over each
-    16 of its features [features / 16, rows]. The map that takes the normed rows (`project_mlp`)
-    scales its sums by each row's 1 / rms, so that no norm kernel runs between the two."""
-
-    rows: torch.Tensor
-    scaled: torch.Tensor
-    squares: torch.Tensor
-
-
-def residual_stream(h: torch.Tensor | NormedRows) -> torch.Tensor:
-    """The rows h themselves, whether or not a map did half of their norm (`NormedRows`)."""
-    return h.rows if isinstance(h, NormedRows) else h
+def splits_tile_norms() -> bool:
+    """Whether `use_linear_kernel` asked for a tile's norms split between maps (its tile_norm)."""
+    return _folds and _tile_norm and _linear_kernel != "cublas"
 
 
 def project(
@@ -787,22 +783,26 @@ def project(
 
 
 def project_gated(
-    linear: torch.nn.Linear, gate_up: torch.Tensor, residual: torch.Tensor | None = None
-) -> torch.Tensor:
+    linear: torch.nn.Linear,
+    gate_up: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    norm_after: RMSNorm | None = None,
+) -> torch.Tensor | NormedRows:
     """`residual + linear(silu(gate) · up)` of gate_up = [gate | up] (a gated MLP's down_proj;
     no residual: the map alone). Where `project` would run `skinny_linear` and fold, the residual is
-    added in its epilogue, and for one row the activation is computed in its loads."""
+    added in its epilogue, and for one row the activation is computed in its loads. norm_after:
+    as `project`'s."""
     if _runs_skinny(linear, gate_up) and _folds and _one_row(gate_up):
         if _folds_residual(residual, gate_up):
             return skinny_linear(gate_up, linear.weight, True, residual)
         return _added(residual, skinny_linear(gate_up, linear.weight, True))
     gate, up = gate_up.chunk(2, dim=-1)
-    return project(linear, torch.nn.functional.silu(gate) * up, residual=residual)
+    return project(linear, torch.nn.functional.silu(gate) * up, residual=residual, norm_after=norm_after)
 
 
 def project_qkv(
     linear: torch.nn.Linear,
-    x: torch.Tensor,
+    x: torch.Tensor | NormedRows,
     norm: RMSNorm | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -811,15 +811,21 @@ def project_qkv(
     slots: torch.Tensor,
 ) -> torch.Tensor | None:
     """q of `qkv_rope_cache` (k and v written into the caches) where the skinny maps run, fold,
-    and take this map, norm and cache; None where they do not: the caller projects and writes."""
+    and take this map, norm and cache; None where they do not: the caller projects and writes
+    (x may come with half of its norm done, `NormedRows`: the kernel then does the rest)."""
     kv_heads, dim = k_cache.shape[2:]
+    rows = residual_stream(x)
     if not (
-        _runs_skinny(linear, x)
+        _runs_skinny(linear, rows)
         and _folds
         and fits_qkv_rope_cache(linear.out_features, dim, kv_heads)
-        and k_cache.dtype == v_cache.dtype == x.dtype
+        and k_cache.dtype == v_cache.dtype == rows.dtype
     ):
         return None
+    if isinstance(x, NormedRows):
+        return qkv_rope_cache(
+            x.scaled, linear.weight, None, norm.eps, cos, sin, k_cache, v_cache, slots, x.squares
+        )
     x, norm = _normed_unless_folded(norm, x)
     return qkv_rope_cache(x, linear.weight, *_norm_args(norm), cos, sin, k_cache, v_cache, slots)
 
@@ -827,23 +833,25 @@ def project_qkv(
 def project_mlp(
     gate_up: torch.nn.Linear,
     down: torch.nn.Linear,
-    x: torch.Tensor,
+    x: torch.Tensor | NormedRows,
     norm: RMSNorm | None = None,
     residual: torch.Tensor | None = None,
-) -> torch.Tensor:
+    norm_after: RMSNorm | None = None,
+) -> torch.Tensor | NormedRows:
     """`residual + down(silu(gate) · up)` of [gate | up] = gate_up(norm(x)), a gated MLP (a None
     left out). Where the skinny maps run and fold: one row takes the norm into gate_up's loads and
     the activation into down_proj's (`project_gated`); a tile of rows the activation into
-    gate_up's epilogue (`silu_gate_up`), after its norm (`_normed_unless_folded`)."""
+    gate_up's epilogue (`silu_gate_up`), after its norm (`_normed_unless_folded`), or with the
+    norm's second half where x comes with its first (`NormedRows`). norm_after: as `project`'s,
+    for down_proj."""
+    if isinstance(x, NormedRows) and not _runs_skinny(gate_up, x.scaled):
+        x = x.rows  # the norm runs on its own after all
     if isinstance(x, NormedRows):  # the map before did half of the norm: gate_up does the rest
-        if not _runs_skinny(gate_up, x.scaled):
-            return project_mlp(gate_up, down, x.rows, norm, residual)
         if _tile_activation and fits_silu_gate_up(gate_up.out_features):
-            return project(
-                down, silu_gate_up(x.scaled, gate_up.weight, x.squares, norm.eps), residual=residual
-            )
+            activation = silu_gate_up(x.scaled, gate_up.weight, x.squares, norm.eps)
+            return project(down, activation, residual=residual, norm_after=norm_after)
         gate_up_out = skinny_linear(x.scaled, gate_up.weight, squares=x.squares, eps=norm.eps)
-        return project_gated(down, gate_up_out, residual)
+        return project_gated(down, gate_up_out, residual, norm_after)
     if (
         _tile_activation
         and not _one_row(x)
@@ -852,8 +860,8 @@ def project_mlp(
         and fits_silu_gate_up(gate_up.out_features)
     ):
         x, _ = _normed_unless_folded(norm, x)
-        return project(down, silu_gate_up(x, gate_up.weight), residual=residual)
-    return project_gated(down, project(gate_up, x, norm), residual)
+        return project(down, silu_gate_up(x, gate_up.weight), residual=residual, norm_after=norm_after)
+    return project_gated(down, project(gate_up, x, norm), residual, norm_after)
 
 
 def _added(residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import inference_ref.skinny_linear as skinny
 from inference_ref.attention import cache_mask, use_cached_kernel
-from inference_ref.causal_lm import rms_norm
+from inference_ref.causal_lm import allow_compiled_variants, rms_norm
 from inference_ref.models.llama import apply_rotary, random_llama
 from inference_ref.models.qwen3 import Qwen3Config, random_qwen3
 from inference_ref.skinny_linear import qkv_rope_cache, silu_gate_up, skinny_linear, use_linear_kernel
@@ -142,12 +142,13 @@ def check_skinny(device: str, dtype: torch.dtype) -> None:
 
 
 def check_split_norm(device: str, dtype: torch.dtype, shape: dict | None = None) -> int:
-    """A tile's RMSNorm split between two maps (`skinny_linear_norm_out`, then `skinny_linear`'s
-    or `silu_gate_up`'s squares): h = r + x · w, h · g and h's sums of squares by 16 features, and
-    the next maps of the normed h, against PyTorch's in fp64 (h rounded to the dtype first, as the
+    """A tile's RMSNorm split between two maps (`skinny_linear_norm_out`, then `skinny_linear`'s,
+    `silu_gate_up`'s or `qkv_rope_cache`'s squares): h = r + x · w, h · g and h's sums of squares
+    by 16 features, and the next maps of the normed h, against PyTorch's in fp64 (h rounded to the dtype first, as the
     norm's input is). `shape`: forced on every map (`check_block_shape`). Returns the maps run."""
     torch.manual_seed(3)
     cases = [((3, 5, 64), 48, 40), ((2, 96), 80, 24)] if shape is None else [((9, 64), 80, 128)]
+    maps = 3 * len(cases)
     for x_shape, hidden, out_features in cases:
         x = torch.randn(*x_shape, device=device, dtype=dtype) / x_shape[-1] ** 0.5
         w = torch.randn(hidden, x_shape[-1], device=device, dtype=dtype)
@@ -172,6 +173,24 @@ def check_split_norm(device: str, dtype: torch.dtype, shape: dict | None = None)
         got = silu_gate_up(scaled, w_next, squares, 1e-5)
         err = relative_error(got, F.silu(gate) * up)
         assert err < tolerance(dtype), ("scaled silu_gate_up", x_shape, err)
+        if shape is None or skinny.holds_rotary_pairs(shape, 32):  # q|k|v of the normed h (the next layer's)
+            batch, new = x_shape[:-1] if len(x_shape) == 3 else (1, x_shape[0])
+            w_qkv = torch.randn(4 * 32, hidden, device=device, dtype=dtype) / hidden**0.5  # 2 + 2 · 1 heads
+            cos, sin = rotary_tables(batch, new, 32, device, dtype)
+            k_cache, v_cache = (torch.zeros(batch, new, 1, 32, device=device, dtype=dtype) for _ in "kv")
+            slots = torch.arange(new, device=device).expand(batch, new)
+            h_rows = h.reshape(batch, new, hidden)
+            scaled_rows = scaled.reshape(batch, new, hidden)
+            got = qkv_rope_cache(scaled_rows, w_qkv, None, 1e-5, cos, sin, k_cache, v_cache, slots, squares)
+            want = qkv_reference(h_rows, w_qkv, g, cos, sin, 2, 1, 32)
+            for name, a, b in zip("qkv", (got, k_cache, v_cache), want):
+                assert relative_error(a, b) < tolerance(dtype), (
+                    "scaled qkv",
+                    name,
+                    x_shape,
+                    relative_error(a, b),
+                )
+            maps += 1
     if shape is None:
         args = (x, w, r, g)
         torch.library.opcheck(
@@ -183,7 +202,7 @@ def check_split_norm(device: str, dtype: torch.dtype, shape: dict | None = None)
             except ValueError:
                 continue
             raise AssertionError("skinny_linear_norm_out took bad arguments")
-    return 3 * len(cases)
+    return maps
 
 
 def check_qkv_rope_cache(device: str, dtype: torch.dtype) -> None:
@@ -357,6 +376,9 @@ def check_model_steps(device: str, dtype: torch.dtype, compiled: bool = False) -
     for model in models:
         if compiled:
             model.compile_layers()
+            # six kernel configurations in one process, each its own graphs (with the norms split,
+            # a layer takes a tensor or NormedRows and a next norm or None): past compile_layers' 32
+            allow_compiled_variants(64)
         for lengths in ([40, 25, 33], [30]):
             check_steps(model, torch.tensor(lengths, device=device), dtype)
 

@@ -20,12 +20,14 @@ from inference_ref.causal_lm import (
     CausalLM,
     Fp32Frequencies,
     KVCache,
+    NormedRows,
     RMSNorm,
     config_fingerprint,
     eos_token_ids,
+    residual_stream,
 )
 from inference_ref.loading import EMBED, FINAL_NORM, LM_HEAD, init_random, read_tensors, safetensors_files
-from inference_ref.skinny_linear import NormedRows, project, project_mlp, project_qkv, residual_stream
+from inference_ref.skinny_linear import project, project_mlp, project_qkv
 from inference_ref.split_kv_attention import split_kv_attention
 
 # ---------------------------------------------------------------------------------------------
@@ -218,12 +220,14 @@ class Attention(nn.Module):
         `slots` [B, S] of this layer's cache, then attends. No mask: a consecutive run, each token
         seeing the keys up to its own slot (`Placement`). The norm, rotary, cache writes and the
         residual add go into the maps' kernels where they fold (`skinny_linear.use_linear_kernel`;
-        not under a kind's own `heads`, e.g. Qwen3's q/k norms). norm_after: the norm the caller
-        applies next, which o_proj may start (`skinny_linear.project`: then `NormedRows`)."""
+        not under a kind's own `heads`, e.g. Qwen3's q/k norms). x may come with half of its norm
+        done (`NormedRows`). norm_after: the norm the caller applies next, which o_proj may start
+        (`skinny_linear.project`: then `NormedRows`)."""
         q = None
         if type(self).heads is Attention.heads:
             q = project_qkv(self.qkv_proj, x, norm, cos, sin, k_cache, v_cache, slots)
         if q is None:
+            x = residual_stream(x)  # its norm, if the map before began it, runs here whole
             q, k, v = self._qkv(x, cos, sin, norm)
             rows = torch.arange(x.shape[0], device=x.device)[:, None]
             k_cache[rows, slots] = k.to(k_cache.dtype)
@@ -243,12 +247,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor | NormedRows, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor | NormedRows,
+        residual: torch.Tensor | None = None,
+        norm: RMSNorm | None = None,
+        norm_after: RMSNorm | None = None,
+    ) -> torch.Tensor | NormedRows:
         """residual + mlp(norm(x)) (None: left out); the norm, the activation and the residual in
         the maps' kernels where they fold (`skinny_linear.project_mlp`; x may come with half of
-        its norm done, `NormedRows`)."""
-        return project_mlp(self.gate_up_proj, self.down_proj, x, norm, residual)
+        its norm done, and the result with half of norm_after's, `NormedRows`)."""
+        return project_mlp(self.gate_up_proj, self.down_proj, x, norm, residual, norm_after)
 
 
 class DecoderLayer(nn.Module):
@@ -263,19 +271,23 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn.forward_packed(self.input_layernorm(x), cos, sin, cu_seqlens, max_len)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
-    def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask):
-        # as forward_packed, with the norms and residual adds handed to the maps that fold them
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, slots, mask, norm_after=None):
+        # as forward_packed, with the norms and residual adds handed to the maps that fold them;
+        # a tile's norms split between the maps before and after them where they take it
+        # (`skinny_linear.NormedRows`): x may come with half of input_layernorm done, and the
+        # result with half of norm_after's (the next layer's input_layernorm)
         norm = self.post_attention_layernorm
         h = self.self_attn.forward_cached(
-            x, cos, sin, k_cache, v_cache, slots, mask, self.input_layernorm, x, norm_after=norm
+            x, cos, sin, k_cache, v_cache, slots, mask, self.input_layernorm, residual_stream(x), norm
         )
-        return self.mlp(h, residual=residual_stream(h), norm=norm)
+        return self.mlp(h, residual_stream(h), norm, norm_after)
 
 
 class LlamaModel(CausalLM):
     """`LlamaForCausalLM` with fused projections; embeddings tied or not as configured."""
 
     split_kv_attention = True
+    passes_norms = True  # DecoderLayer.forward_cached's norm_after
 
     def __init__(self, cfg: LlamaConfig):
         layers = [DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]

@@ -67,6 +67,7 @@ class Qwen3Model(CausalLM):
     """`Qwen3ForCausalLM` with fused projections."""
 
     split_kv_attention = True  # llama's attention
+    passes_norms = True  # llama's DecoderLayer
 
     def __init__(self, cfg: Qwen3Config):
         layers = [llama.DecoderLayer(cfg, Qwen3Attention) for _ in range(cfg.num_hidden_layers)]
