@@ -117,6 +117,15 @@ run bp_timed $bp --tag timed_shapes
 # off by default until this A/B: without and with, in turn, twice; BLOCK_SHAPES=benchmarks/block_shapes_llama3_8b_h200.json on an
 # H200 gives the other maps run 10's fastest picks, so that their timing's ties do not decide it
 ta="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}"
+# the three built after run 10 at once, for a short device budget (2026-12-06, eighth session):
+# none, each alone, all three, then none and all again
+run ab_off $ta --tag ab
+run ab_ta $ta --tile-activation --tag ab
+run ab_pt $ta --pdl-tiles --tag ab
+run ab_tn $ta --tile-norm --tag ab
+run ab_all $ta --tile-activation --pdl-tiles --tile-norm --tag ab
+run ab_off_again $ta --tag ab_again
+run ab_all_again $ta --tile-activation --pdl-tiles --tile-norm --tag ab_again
 run ta_off $ta --tag tile_activation_ab
 run ta_on $ta --tile-activation --tag tile_activation_ab
 run ta_off_again $ta --tag tile_activation_ab_again
