@@ -513,17 +513,16 @@ def compile_for_hopper(kernel: str) -> list[str]:
                 pointers_scalars = ("X W Y SQ", "M N K stride_xm stride_wn stride_ym eps")
                 done.append(compiled(skinny._silu_gate_up, *pointers_scalars, constants, warps, stages))
     elif kernel == "qkv_rope_cache":
-        pointers = "X W G Q KC VC Cos Sin Slots"
+        pointers = "X W G Q KC VC Cos Sin Slots SQ"
         scalars = (
             "M K new eps stride_xm stride_wn stride_qm stride_qh stride_cm stride_sb stride_ss "
             "stride_kb stride_kl stride_kh stride_vb stride_vl stride_vh"
         )
         heads = dict(HEADS=32, KV_HEADS=8, DIM=128)
         for rows, n, k, warps, stages, swap in shapes:
-            for norm, pdl in itertools.product({rows == 1, False}, (False, True)):
-                constants = dict(
-                    **heads, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, NORM=norm, SWAP=swap, PDL=pdl
-                )
+            for norm, pdl, scaled in itertools.product({rows == 1, False}, (False, True), {rows > 1, False}):
+                flags = dict(NORM=norm, SWAP=swap, PDL=pdl, SCALED=scaled)
+                constants = dict(**heads, ROWS=rows, BLOCK_N=n, BLOCK_K=k, **tile, **flags)
                 done.append(compiled(skinny._qkv_rope_cache, pointers, scalars, constants, warps, stages))
     else:
         heads = dict(KV_HEADS=8, GROUP=4, SPLITS=16, DIM=128)
