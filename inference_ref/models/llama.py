@@ -277,9 +277,13 @@ class DecoderLayer(nn.Module):
         # (`skinny_linear.NormedRows`): x may come with half of input_layernorm done, and the
         # result with half of norm_after's (the next layer's input_layernorm)
         norm = self.post_attention_layernorm
+        gated = isinstance(self.mlp, MLP)  # another kind's MLP (Qwen3-MoE's experts) takes h whole
         h = self.self_attn.forward_cached(
-            x, cos, sin, k_cache, v_cache, slots, mask, self.input_layernorm, residual_stream(x), norm
-        )
+            x, cos, sin, k_cache, v_cache, slots, mask, self.input_layernorm, residual_stream(x),
+            norm if gated else None,
+        )  # fmt: skip
+        if not gated:
+            return self.mlp(h, h, norm)
         return self.mlp(h, residual_stream(h), norm, norm_after)
 
 
