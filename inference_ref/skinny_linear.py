@@ -214,6 +214,16 @@ if triton is not None:
         return tl.rsqrt(total / K + eps)
 
     @triton.jit
+    def _row_scales(SQ, M, K, eps, ROWS: tl.constexpr, SCALED: tl.constexpr):
+        # With SCALED `_inverse_rms`, read before the K loop so that its loads overlap the
+        # weights' stream rather than follow it; without, ones (unused).
+        if SCALED:
+            scales = _inverse_rms(SQ, M, K, eps, ROWS)
+        else:
+            scales = tl.full([ROWS], 1.0, tl.float32)
+        return scales
+
+    @triton.jit
     def _norm_out(y, G, YG, SQ, n, m, M, N, stride_ym, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
         # For the RMSNorm after a map (`NormedRows`), from its rounded output y [ROWS, BLOCK_N]:
         # y · g into YG, and y's sums of squares over each 16 of its features into SQ [N / 16, M],
@@ -253,11 +263,12 @@ if triton is not None:
             tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
         else:
             m = tl.arange(0, ROWS)
+            scales = _row_scales(SQ, M, K, eps, ROWS, SCALED)
             acc = _tile_product(
                 X, W, n, M, N, K, stride_xm, stride_wn, w_first, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL
             )
             if SCALED:
-                acc = acc * _inverse_rms(SQ, M, K, eps, ROWS)[:, None]
+                acc = acc * scales[:, None]
             inside = (m[:, None] < M) & (n[None, :] < N)
             if RESIDUAL:
                 r = tl.load(R + m[:, None] * stride_rm + n[None, :], mask=inside, other=0.0)
@@ -284,11 +295,12 @@ if triton is not None:
         m = tl.arange(0, ROWS)[:, None]
         w_first = _first_weights(W, n, N, K, stride_wn, BLOCK_K, PDL)
         after_previous_kernel(PDL)
+        scales = _row_scales(SQ, M, K, eps, ROWS, SCALED)
         y = _tile_product(
             X, W, n, M, N, K, stride_xm, stride_wn, w_first, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL
         )
         if SCALED:
-            y = y * _inverse_rms(SQ, M, K, eps, ROWS)[:, None]
+            y = y * scales[:, None]
         gate, up = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         gate = gate.to(Y.dtype.element_ty).to(tl.float32)
         up = up.to(Y.dtype.element_ty).to(tl.float32)
@@ -324,11 +336,12 @@ if triton is not None:
             a, b = tl.split(tl.reshape(y, [1, PAIRS, 2]))
         else:
             m = tl.arange(0, ROWS)[:, None]
+            scales = _row_scales(SQ, M, K, eps, ROWS, SCALED)
             y = _tile_product(
                 X, W, n, M, N, K, stride_xm, stride_wn, w_first, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL
             )
             if SCALED:
-                y = y * _inverse_rms(SQ, M, K, eps, ROWS)[:, None]
+                y = y * scales[:, None]
             a, b = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         there = m < M
         j = j[None, :]
