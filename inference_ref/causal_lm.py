@@ -166,7 +166,7 @@ class CausalLM(nn.Module):
     `attention.split_kv_attention` (`attention.uses_split_kv` says when)."""
     passes_norms: ClassVar[bool] = False
     """Whether its layers' cached forward takes the next layer's input_layernorm (`norm_after`)
-    and may return `skinny_linear.NormedRows` to the next layer instead of a tensor."""
+    and may return `NormedRows` to the next layer instead of a tensor."""
     tp_size: int = 1
     """Ranks its layers are sharded over (`inference_ref.tensor_parallel`); each keeps 1/tp_size of
     the attention heads and so of the KV cache."""
