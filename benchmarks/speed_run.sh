@@ -33,7 +33,8 @@
 # split K's A/B at 70B (never chosen: taken out), o8_* (PDL there), t (passed), p, k70_split_skinny,
 # decode64, spec_b*, k_split_skinny. Next, built after run 10 and not yet run on a GPU (docs/benchmarks.md,
 # "After run 10"): ta_* (silu_gate_up's A/B), bp* (block shapes given), kp* (the projection with the
-# kernels' step costs).
+# kernels' step costs); and after the eighth session (no GPU came), pt_* (PDL for the tiles), tn_*
+# (a tile's norms split between the maps around them), ab_* (the three at once: run it first).
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
