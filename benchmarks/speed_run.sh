@@ -127,24 +127,22 @@ run ab_tn $ta --tile-norm --tag ab
 run ab_all $ta --tile-activation --pdl-tiles --tile-norm --tag ab
 run ab_off_again $ta --tag ab_again
 run ab_all_again $ta --tile-activation --pdl-tiles --tile-norm --tag ab_again
-run ta_off $ta --tag tile_activation_ab
-run ta_on $ta --tile-activation --tag tile_activation_ab
-run ta_off_again $ta --tag tile_activation_ab_again
-run ta_on_again $ta --tile-activation --tag tile_activation_ab_again
+# an A/B in turn, twice: $1 the items' prefix, $2 the option, $3 the file tag (_off, _on,
+# _off_again, _on_again; tagged $3 and $3_again)
+in_turn_twice() {
+    run "$1_off" $ta --tag "$3"
+    run "$1_on" $ta $2 --tag "$3"
+    run "$1_off_again" $ta --tag "$3_again"
+    run "$1_on_again" $ta $2 --tag "$3_again"
+}
+in_turn_twice ta --tile-activation tile_activation_ab
 # PDL for the tiles too (2026-12-06, eighth session; `use_pdl`'s tiles, off by default until this
 # A/B): a verify's 16-64-row tiles and the attention over several query tokens launch with PDL,
-# each tile's first weights loaded before the wait; without and with, in turn, twice
-run pt_off $ta --tag pdl_tiles_ab
-run pt_on $ta --pdl-tiles --tag pdl_tiles_ab
-run pt_off_again $ta --tag pdl_tiles_ab_again
-run pt_on_again $ta --pdl-tiles --tag pdl_tiles_ab_again
-# a tile's RMSNorm between o_proj and gate_up split between the two maps (2026-12-06, eighth
-# session; `use_linear_kernel`'s tile_norm, off by default until this A/B): without and with, in
-# turn, twice
-run tn_off $ta --tag tile_norm_ab
-run tn_on $ta --tile-norm --tag tile_norm_ab
-run tn_off_again $ta --tag tile_norm_ab_again
-run tn_on_again $ta --tile-norm --tag tile_norm_ab_again
+# each tile's first weights loaded before the wait
+in_turn_twice pt --pdl-tiles pdl_tiles_ab
+# a tile's RMSNorms split between the maps around them (2026-12-06, eighth session;
+# `use_linear_kernel`'s tile_norm, off by default until this A/B)
+in_turn_twice tn --tile-norm tile_norm_ab
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny
