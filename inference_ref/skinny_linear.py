@@ -171,15 +171,19 @@ if triton is not None:
 
     @triton.jit
     def _tile_product(
-        X, W, n, M, N, K, stride_xm, stride_wn, w_first,
+        X, W, n, M, N, K, stride_xm, stride_wn, w_first, SQ, eps,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        SWAP: tl.constexpr, PDL: tl.constexpr,
+        SWAP: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
     ):  # fmt: skip
         # x[m] · w[n] for the tile's rows m, [ROWS, BLOCK_N] in fp32 (`tl.dot`; with PDL the first
         # K step's weights are `w_first`). x goes into the dot as loaded: computed on before it
         # (SiLU·up, 2026-12-05) the maps ran 2× slower on an H200. SWAP: w · xᵀ, [BLOCK_N, ROWS],
-        # transposed once at the end.
+        # transposed once at the end. SCALED: x = h · g of a norm the map producing h began, and
+        # each row's sums scaled by its 1 / rms (`_inverse_rms`, read before the K loop so that
+        # its loads overlap the weights' stream rather than follow it).
         m = tl.arange(0, ROWS)
+        if SCALED:
+            scales = _inverse_rms(SQ, M, K, eps, ROWS)
         if SWAP:
             acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
         else:
@@ -197,6 +201,8 @@ if triton is not None:
             )  # fmt: skip
         if SWAP:
             acc = tl.trans(acc)
+        if SCALED:
+            acc = acc * scales[:, None]
         return acc
 
     @triton.jit
@@ -212,16 +218,6 @@ if triton is not None:
             )
             total += tl.sum(part, 0)
         return tl.rsqrt(total / K + eps)
-
-    @triton.jit
-    def _row_scales(SQ, M, K, eps, ROWS: tl.constexpr, SCALED: tl.constexpr):
-        # With SCALED `_inverse_rms`, read before the K loop so that its loads overlap the
-        # weights' stream rather than follow it; without, ones (unused).
-        if SCALED:
-            scales = _inverse_rms(SQ, M, K, eps, ROWS)
-        else:
-            scales = tl.full([ROWS], 1.0, tl.float32)
-        return scales
 
     @triton.jit
     def _norm_out(y, G, YG, SQ, n, m, M, N, stride_ym, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -263,12 +259,10 @@ if triton is not None:
             tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
         else:
             m = tl.arange(0, ROWS)
-            scales = _row_scales(SQ, M, K, eps, ROWS, SCALED)
             acc = _tile_product(
-                X, W, n, M, N, K, stride_xm, stride_wn, w_first, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL
-            )
-            if SCALED:
-                acc = acc * scales[:, None]
+                X, W, n, M, N, K, stride_xm, stride_wn, w_first, SQ, eps,
+                ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL, SCALED,
+            )  # fmt: skip
             inside = (m[:, None] < M) & (n[None, :] < N)
             if RESIDUAL:
                 r = tl.load(R + m[:, None] * stride_rm + n[None, :], mask=inside, other=0.0)
@@ -295,12 +289,10 @@ if triton is not None:
         m = tl.arange(0, ROWS)[:, None]
         w_first = _first_weights(W, n, N, K, stride_wn, BLOCK_K, PDL)
         after_previous_kernel(PDL)
-        scales = _row_scales(SQ, M, K, eps, ROWS, SCALED)
         y = _tile_product(
-            X, W, n, M, N, K, stride_xm, stride_wn, w_first, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL
-        )
-        if SCALED:
-            y = y * scales[:, None]
+            X, W, n, M, N, K, stride_xm, stride_wn, w_first, SQ, eps,
+            ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL, SCALED,
+        )  # fmt: skip
         gate, up = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         gate = gate.to(Y.dtype.element_ty).to(tl.float32)
         up = up.to(Y.dtype.element_ty).to(tl.float32)
@@ -336,12 +328,10 @@ if triton is not None:
             a, b = tl.split(tl.reshape(y, [1, PAIRS, 2]))
         else:
             m = tl.arange(0, ROWS)[:, None]
-            scales = _row_scales(SQ, M, K, eps, ROWS, SCALED)
             y = _tile_product(
-                X, W, n, M, N, K, stride_xm, stride_wn, w_first, ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL
-            )
-            if SCALED:
-                y = y * scales[:, None]
+                X, W, n, M, N, K, stride_xm, stride_wn, w_first, SQ, eps,
+                ROWS, BLOCK_N, BLOCK_K, PRECISION, SWAP, PDL, SCALED,
+            )  # fmt: skip
             a, b = tl.split(tl.reshape(y, [ROWS, PAIRS, 2]))
         there = m < M
         j = j[None, :]
