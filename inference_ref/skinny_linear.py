@@ -493,7 +493,7 @@ def _skinny(
         flat.shape[1] != (2 if gated else 1) * features
         or (one_row_only and rows != 1)
         or (gated and norm_weight is not None)
-        or (squares is not None and (rows == 1 or squares.shape != (features // 16, rows) or features % 16))
+        or not _fits_squares(squares, features, rows)
     ):
         raise ValueError(
             f"skinny_linear: x {tuple(x.shape)} for weight {tuple(weight.shape)} (gated={gated}"
@@ -548,7 +548,7 @@ def silu_gate_up(
         rows == 1
         or flat.shape[1] != features
         or not fits_silu_gate_up(out_features)
-        or (squares is not None and (squares.shape != (features // 16, rows) or features % 16))
+        or not _fits_squares(squares, features, rows)
     ):
         raise ValueError(f"silu_gate_up: x {tuple(x.shape)} for weight {tuple(weight.shape)}")
     pdl = _launch_options(x.device, tile, weight)
@@ -609,7 +609,7 @@ def qkv_rope_cache(
         or x.shape != (batch, new, features)
         or weight.shape[1] != features
         or (norm_weight is not None and batch * new != 1)
-        or (squares is not None and (squares.shape != (features // 16, batch * new) or batch * new == 1))
+        or not _fits_squares(squares, features, batch * new)
         or v_cache.shape != k_cache.shape
         or k_cache.dtype != v_cache.dtype
         or k_cache.stride(-1) != 1
@@ -890,6 +890,12 @@ def _folds_norm(norm: RMSNorm | None, x: torch.Tensor) -> bool:
     # the project's RMSNorm only (a subclass may compute another norm), over the map's features,
     # of one row (`_tile_product` takes x as loaded)
     return _folds and type(norm) is RMSNorm and norm.weight.shape == x.shape[-1:] and _one_row(x)
+
+
+def _fits_squares(squares: torch.Tensor | None, features: int, rows: int) -> bool:
+    """Whether a map of `features` inputs and `rows` rows takes these sums of squares of its x
+    (none, or [features / 16, rows] for a tile: `skinny_linear_norm_out`'s layout)."""
+    return squares is None or (rows > 1 and features % 16 == 0 and squares.shape == (features // 16, rows))
 
 
 def _splits_norm(norm: RMSNorm | None, features: int, x: torch.Tensor) -> bool:
