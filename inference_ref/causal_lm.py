@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from inference_ref.attention import Placement, cache_slots, static_batch, uses_split_kv
+from inference_ref.cpu_linear import apply_linear
 
 
 def eos_token_ids(hf: dict) -> tuple[int, ...]:
@@ -251,7 +252,7 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from pre-norm hidden states, in fp32 (of the last layer's: the first H columns of
         states widened by `capture`)."""
-        return self.lm_head(self.norm(hidden[..., : self.cfg.hidden_size])).float()
+        return apply_linear(self.lm_head, self.norm(hidden[..., : self.cfg.hidden_size])).float()
 
     @torch.inference_mode()
     def forward_packed(

@@ -1,0 +1,46 @@
+"""A linear map of a few rows on a CPU, in fp32: x · Wᵀ computed as (W · xᵀ)ᵀ.
+
+PyTorch's CPU build hands both to MKL's sgemm, which on this project's 2-core AMD EPYC (AVX-512,
+no AMX) takes a slow path for x · Wᵀ at 2–8 rows: SmolLM2's lm_head [49152, 576] costs 24–38 ms
+at 2–3 rows against 10 ms at one row, and 4–6 ms as W · xᵀ (the weights read once, as a memory-
+bound map should). The small maps of a layer gain 1.1–1.9× at 2–4 rows and lose from 5 rows on,
+the vocabulary's projection gains 2.3–5.7× up to 8 rows (docs/benchmarks.md, "CPU linear maps").
+That is every draft step of a batch of a few prompts, and the verify steps of one, in the tests,
+the demo and `validate` on a CPU. Both are MKL's fp32 dot products; their sums differ in order
+only (last bits: the published heads' greedy counts are unchanged)."""
+
+from __future__ import annotations
+
+import torch
+
+MAX_ROWS = 4
+"""Rows up to which a map is computed as (W · xᵀ)ᵀ (from 2: one row is a matrix-vector product)."""
+VOCAB_ROWS, VOCAB_MAX_ROWS = 16384, 8
+"""A map of at least VOCAB_ROWS outputs (an lm_head) up to VOCAB_MAX_ROWS rows."""
+
+
+def apply_linear(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)`, as (W · xᵀ)ᵀ where that is faster: a plain fp32 `nn.Linear` on a CPU, for
+    the few rows of `_few_rows`, outside compiled code (whose graphs must not branch on a batch
+    they keep dynamic). Any other module (FP8, tensor-parallel, hooked) runs as it is."""
+    if not _few_rows(linear, x):
+        return linear(x)
+    rows = x.reshape(-1, x.shape[-1])
+    out = (linear.weight @ rows.T).T
+    if linear.bias is not None:
+        out = out + linear.bias
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _few_rows(linear: torch.nn.Module, x: torch.Tensor) -> bool:
+    if not (
+        type(linear) is torch.nn.Linear
+        and not torch.compiler.is_compiling()  # Inductor picks its own kernels, for any rows
+        and x.device.type == "cpu"
+        and x.dtype == linear.weight.dtype == torch.float32
+        and not (linear._forward_hooks or linear._forward_pre_hooks)
+    ):
+        return False
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    most = VOCAB_MAX_ROWS if linear.out_features >= VOCAB_ROWS else MAX_ROWS
+    return 2 <= rows <= most

@@ -1,0 +1,44 @@
+"""`inference_ref.cpu_linear.apply_linear`: a plain fp32 map of a few rows on a CPU computed as
+(W · xᵀ)ᵀ, everything else as the module computes it (speed: `benchmarks/bench_cpu_linear.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference_ref.cpu_linear import MAX_ROWS, VOCAB_MAX_ROWS, VOCAB_ROWS, apply_linear
+
+
+@pytest.mark.parametrize("out_features", [96, VOCAB_ROWS])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_are_transposed_products_and_the_rest_the_module(out_features, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, out_features, bias=bias)
+    most = VOCAB_MAX_ROWS if out_features >= VOCAB_ROWS else MAX_ROWS
+    for rows in range(1, most + 3):
+        x = torch.randn(1, rows, 64)  # a batch's leading dimensions are flattened into rows
+        got = apply_linear(linear, x)
+        transposed = (linear.weight @ x[0].T).T + (linear.bias if bias else 0)
+        want = transposed[None] if 2 <= rows <= most else linear(x)
+        assert got.shape == (1, rows, out_features)
+        assert torch.equal(got, want), rows
+        torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_other_modules_dtypes_and_hooked_maps_run_as_they_are():
+    linear = torch.nn.Linear(32, 48, bias=False)
+    x = torch.randn(3, 32)
+    calls = []
+    hook = linear.register_forward_hook(lambda module, args, out: calls.append(1))
+    assert torch.equal(apply_linear(linear, x), linear(x)) and len(calls) == 2  # the hook ran both times
+    hook.remove()
+    half = torch.nn.Linear(32, 48, bias=False).to(torch.bfloat16)
+    assert torch.equal(apply_linear(half, x.bfloat16()), half(x.bfloat16()))
+
+    class Scaled(torch.nn.Linear):  # another kind of map (an FP8 or tensor-parallel one)
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    scaled = Scaled(32, 48, bias=False)
+    assert torch.equal(apply_linear(scaled, x), scaled(x))
