@@ -32,13 +32,22 @@ def apply_linear(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def plain_linear(linear: torch.nn.Module) -> bool:
+    """An `nn.Linear` itself (not an FP8 or tensor-parallel subclass), without hooks, whose weight
+    is a plain tensor (not a DTensor shard): a map that may be computed other than by its forward."""
+    return (
+        type(linear) is torch.nn.Linear
+        and not (linear._forward_hooks or linear._forward_pre_hooks)
+        and type(linear.weight) in (torch.Tensor, torch.nn.Parameter)
+    )
+
+
 def _few_rows(linear: torch.nn.Module, x: torch.Tensor) -> bool:
     if not (
-        type(linear) is torch.nn.Linear
+        plain_linear(linear)
         and not torch.compiler.is_compiling()  # Inductor picks its own kernels, for any rows
         and x.device.type == "cpu"
         and x.dtype == linear.weight.dtype == torch.float32
-        and not (linear._forward_hooks or linear._forward_pre_hooks)
     ):
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

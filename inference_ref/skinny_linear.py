@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from inference_ref.causal_lm import NormedRows, RMSNorm, residual_stream
-from inference_ref.cpu_linear import apply_linear
+from inference_ref.cpu_linear import apply_linear, plain_linear
 from inference_ref.triton_support import INTERPRETED, launch_options, runs_on, tl, triton
 
 if triton is not None:
@@ -929,12 +929,7 @@ def _runs_skinny(linear: torch.nn.Module, x: torch.Tensor) -> bool:
 
 
 def _plain(linear: torch.nn.Module) -> bool:
-    return (
-        type(linear) is torch.nn.Linear
-        and linear.bias is None
-        and not (linear._forward_hooks or linear._forward_pre_hooks)
-        and type(linear.weight) in (torch.Tensor, torch.nn.Parameter)
-    )
+    return plain_linear(linear) and linear.bias is None
 
 
 def _fits(x: torch.Tensor) -> bool:
