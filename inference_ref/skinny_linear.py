@@ -773,9 +773,10 @@ def project(
     `use_linear_kernel` says so: a plain bias-free `nn.Linear` (not an FP8 or tensor-parallel one,
     whose modules run their own kernels) on CUDA, 16-bit, with at most `MAX_ROWS` rows. The norm
     and the residual go into its kernel where they fold (`use_linear_kernel`), and are their own
-    operations otherwise (a few fp32 rows on a CPU: `cpu_linear.apply_linear`). norm_after: the RMSNorm the caller applies to the result next (it passes
-    it on to `project_mlp`); where a tile of rows splits it between the maps (`use_linear_kernel`'s
-    tile_norm) the result is `NormedRows`."""
+    operations otherwise (a few fp32 rows on a CPU: `cpu_linear.apply_linear`). norm_after: the
+    RMSNorm the caller applies to the result next (it passes it on to `project_mlp`); where a tile
+    of rows splits it between the maps (`use_linear_kernel`'s tile_norm) the result is
+    `NormedRows`."""
     if not _runs_skinny(linear, x):
         return _added(residual, apply_linear(linear, x if norm is None else norm(x)))
     x, norm = _normed_unless_folded(norm, x)
