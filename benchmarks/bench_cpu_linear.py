@@ -85,7 +85,7 @@ def measure_loop() -> dict:
 
     from inference_ref.draft import load_draft
     from inference_ref.speculative import Chain, speculative_generate
-    from inference_ref.target import load_target
+    from inference_ref.target import eos_ids, load_target
     from mtp_train.data import load_prompts, prompt_ids
     from mtp_train.demo_target import smollm2_dir
 
@@ -95,7 +95,7 @@ def measure_loop() -> dict:
     ids = prompt_ids(tokenizer, [p.turns[0] for p in questions])
     target = load_target(target_dir, "cpu", torch.float32)
     draft = load_draft(head, target)
-    eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
+    eos = eos_ids(target, tokenizer)
     seconds, counts = {"off": [], "on": []}, set()
     for setting in ("off", "on", "off", "on"):
         with rule_off() if setting == "off" else contextlib.nullcontext():

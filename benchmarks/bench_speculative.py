@@ -20,7 +20,7 @@ from benchmarks.common import DEVICE, DTYPE, timed, write_result
 from inference_ref.draft import load_draft
 from inference_ref.generate import generate
 from inference_ref.speculative import Chain, speculative_generate
-from inference_ref.target import load_target
+from inference_ref.target import eos_ids, load_target
 from mtp_train.data import load_prompts, prompt_ids
 
 
@@ -65,7 +65,7 @@ def main() -> None:
     target = load_target(args.target, DEVICE, DTYPE, compile=args.compile)
     draft = load_draft(args.head, target)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
+    eos = eos_ids(target, tokenizer)
     prompts = prompt_ids(tokenizer, [q.turns[0] for q in load_prompts([args.prompts], limit=args.num)])
     command = "python -m benchmarks.bench_speculative " + " ".join(sys.argv[1:])
     rows = []

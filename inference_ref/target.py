@@ -32,7 +32,14 @@ __all__ = [
     "read_target_config",
     "load_target",
     "frozen_target_tensors",
+    "eos_ids",
 ]
+
+
+def eos_ids(target: CausalLM, tokenizer) -> list[int]:
+    """The tokens that end a reply: the tokenizer's eos and the target config's (a chat model's
+    config often lists its end-of-turn token there, which the tokenizer does not call eos)."""
+    return sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
 
 
 def read_target_config(path: str | Path) -> TargetConfig:

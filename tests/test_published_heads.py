@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from inference_ref.draft import load_draft
 from inference_ref.speculative import Chain, speculative_generate
-from inference_ref.target import load_target
+from inference_ref.target import eos_ids, load_target
 from mtp_train.data import load_prompts, prompt_ids
 from mtp_train.serving import vllm_engine
 
@@ -45,7 +45,7 @@ def served(smollm2):
     questions = load_prompts([REPO / "data" / "mt_bench.jsonl"], limit=prompts.pop())
     ids = prompt_ids(tokenizer, [p.turns[0] for p in questions])
     target = load_target(smollm2, "cpu", torch.float32)
-    eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
+    eos = eos_ids(target, tokenizer)
     new = new.pop()
     ours = {
         name: speculative_generate(

@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 from inference_ref.draft import load_draft
 from inference_ref.generate import generate
 from inference_ref.speculative import Chain, speculative_generate
-from inference_ref.target import load_target
+from inference_ref.target import eos_ids, load_target
 from mtp_train.data import load_prompts, prompt_ids
 from mtp_train.export import ENGINE_WEIGHTS, head_tensors, load_head, write_files
 from mtp_train.layer_names import check_layout
@@ -120,7 +120,7 @@ def answered(target_dir: Path, base: Path):
     prompts = load_prompts([REPO / "data" / "mt_bench.jsonl"], limit=NUM_PROMPTS)
     ids = prompt_ids(tokenizer, [p.turns[0] for p in prompts])
     target = load_target(target_dir, "cpu", torch.float32)
-    eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
+    eos = eos_ids(target, tokenizer)
     answers = generate(target, ids, MAX_NEW, eos)
     conversations = base / "answers.jsonl"
     with open(conversations, "w") as f:

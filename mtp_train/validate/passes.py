@@ -17,7 +17,7 @@ from inference_ref.draft import MTPDraft, check_head_fits_target, load_draft
 from inference_ref.generate import generate
 from inference_ref.head_files import read_native_config
 from inference_ref.speculative import SSD, Chain, SpecStats, speculative_generate
-from inference_ref.target import TargetModel, load_target
+from inference_ref.target import TargetModel, eos_ids, load_target
 from inference_ref.tree import TreeShape
 from mtp_train.data import Prompt, prompt_ids
 from mtp_train.run import Run, refuse_static_fp8
@@ -41,7 +41,7 @@ class Evaluator:
         refuse_static_fp8(run.quantization, "validation")
         target = load_target(run.target.dir, run.device, run.dtype, compile, run.quantization, run.tp_mesh)
         tokenizer = AutoTokenizer.from_pretrained(str(run.target.dir))
-        eos = sorted({tokenizer.eos_token_id, *target.cfg.eos_token_ids} - {None})
+        eos = eos_ids(target, tokenizer)
         return cls(target, load_draft(head_dir, target), tokenizer, eos)
 
     def release(self) -> None:
