@@ -119,14 +119,14 @@ run bp_timed $bp --tag timed_shapes
 # H200 gives the other maps run 10's fastest picks, so that their timing's ties do not decide it
 ta="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}"
 # the three built after run 10 at once, for a short device budget (2026-12-06, eighth session):
-# none, each alone, all three, then none and all again
+# none and all three, in turn, twice, then each alone (so that a call cut short has the A/B that decides)
 run ab_off $ta --tag ab
-run ab_ta $ta --tile-activation --tag ab
-run ab_pt $ta --pdl-tiles --tag ab
-run ab_tn $ta --tile-norm --tag ab
 run ab_all $ta --tile-activation --pdl-tiles --tile-norm --tag ab
 run ab_off_again $ta --tag ab_again
 run ab_all_again $ta --tile-activation --pdl-tiles --tile-norm --tag ab_again
+run ab_ta $ta --tile-activation --tag ab
+run ab_pt $ta --pdl-tiles --tag ab
+run ab_tn $ta --tile-norm --tag ab
 # an A/B in turn, twice: $1 the items' prefix, $2 the option, $3 the file tag (_off, _on,
 # _off_again, _on_again; tagged $3 and $3_again)
 in_turn_twice() {
