@@ -78,7 +78,7 @@ run() {
     if [ -n "${ONLY:-}" ]; then case " $ONLY " in *" $name "*) ;; *) return;; esac; fi
     echo "== $(date +%T) $name: $*"
     if "$@" > "$log/$name.log" 2>&1; then echo "   $(date +%T) done"; else echo "   $(date +%T) FAILED (see $log/$name.log)"; fi
-    find benchmarks/results -name '*.json' -newer "$log/started" -exec cp {} "$log/results/" \;
+    find benchmarks/results -name '*.json' -newer "$log/started" -exec cp -p {} "$log/results/" \;
 }
 v="python -m benchmarks.bench_verify_cost"
 # what #36 still needs first (see above), then the full rerun
