@@ -227,9 +227,12 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     p.add_argument("--tag", default="", help="added to the file name (a partial grid, another device)")
     p.add_argument(
         "--tile-activation",
-        action="store_true",
-        help="a tile's SiLU·up in gate_up's epilogue (use_linear_kernel's tile_activation, off by default "
-        "until measured), not in the compiled layer's own kernel; written to ..._tile_activation",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a tile's SiLU·up in gate_up's epilogue (use_linear_kernel's tile_activation, on by default "
+        "since run 11), not in the compiled layer's own kernel; --no-tile-activation adds "
+        "_no_tile_activation to the file name (before 2026-12-07 the default was off and "
+        "_tile_activation named the runs with it on)",
     )
     p.add_argument(
         "--tile-norm",
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         ("" if args.cached_kernel == "sdpa" else f"_{args.cached_kernel}")
         + ("" if args.linear_kernel == "cublas" else f"_{args.linear_kernel}")
         + ("_unfolded" if args.unfolded else "")
-        + ("_tile_activation" if args.tile_activation else "")
+        + ("" if args.tile_activation else "_no_tile_activation")
         + ("_tile_norm" if args.tile_norm else "")
         + ("" if args.pdl else "_no_pdl")
         + ("_pdl_tiles" if args.pdl and args.pdl_tiles else "")

@@ -115,34 +115,36 @@ run bp1 $bp --block-shapes benchmarks/block_shapes_llama3_8b_h200.json --tag giv
 run bp2 $bp --block-shapes benchmarks/block_shapes_llama3_8b_h200.json --tag given_shapes_again
 run bp_timed $bp --tag timed_shapes
 # SiLU·up in gate_up's epilogue for a tile of rows (`silu_gate_up`, 2026-12-06, seventh session):
-# off by default until this A/B: without and with, in turn, twice; BLOCK_SHAPES=benchmarks/block_shapes_llama3_8b_h200.json on an
-# H200 gives the other maps run 10's fastest picks, so that their timing's ties do not decide it
+# without and with, in turn, twice (on by default since this A/B, run 11 on an H100, 2026-12-07);
+# BLOCK_SHAPES=benchmarks/block_shapes_llama3_8b_h200.json on an H200 gives the other maps run 10's
+# fastest picks, so that their timing's ties do not decide it
 ta="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}"
 # the three built after run 10 at once, for a short device budget (2026-12-06, eighth session):
 # none and all three, in turn, twice, then each alone (so that a call cut short has the A/B that decides)
-run ab_off $ta --tag ab
+none="--no-tile-activation"
+run ab_off $ta $none --tag ab
 run ab_all $ta --tile-activation --pdl-tiles --tile-norm --tag ab
-run ab_off_again $ta --tag ab_again
+run ab_off_again $ta $none --tag ab_again
 run ab_all_again $ta --tile-activation --pdl-tiles --tile-norm --tag ab_again
 run ab_ta $ta --tile-activation --tag ab
-run ab_pt $ta --pdl-tiles --tag ab
-run ab_tn $ta --tile-norm --tag ab
-# an A/B in turn, twice: $1 the items' prefix, $2 the option, $3 the file tag (_off, _on,
-# _off_again, _on_again; tagged $3 and $3_again)
+run ab_pt $ta $none --pdl-tiles --tag ab
+run ab_tn $ta $none --tile-norm --tag ab
+# an A/B in turn, twice: $1 the items' prefix, $2 the option off ("" for the defaults), $3 on, $4
+# the file tag (_off, _on, _off_again, _on_again; tagged $4 and $4_again)
 in_turn_twice() {
-    run "$1_off" $ta --tag "$3"
-    run "$1_on" $ta $2 --tag "$3"
-    run "$1_off_again" $ta --tag "$3_again"
-    run "$1_on_again" $ta $2 --tag "$3_again"
+    run "$1_off" $ta $2 --tag "$4"
+    run "$1_on" $ta $3 --tag "$4"
+    run "$1_off_again" $ta $2 --tag "$4_again"
+    run "$1_on_again" $ta $3 --tag "$4_again"
 }
-in_turn_twice ta --tile-activation tile_activation_ab
+in_turn_twice ta --no-tile-activation --tile-activation tile_activation_ab
 # PDL for the tiles too (2026-12-06, eighth session; `use_pdl`'s tiles, off by default until this
-# A/B): a verify's 16-64-row tiles and the attention over several query tokens launch with PDL,
-# each tile's first weights loaded before the wait
-in_turn_twice pt --pdl-tiles pdl_tiles_ab
+# A/B; run 11's ab_pt: 0-6 % slower): a verify's 16-64-row tiles and the attention over several
+# query tokens launch with PDL, each tile's first weights loaded before the wait; on the defaults
+in_turn_twice pt "" --pdl-tiles pdl_tiles_ab
 # a tile's RMSNorms split between the maps around them (2026-12-06, eighth session;
-# `use_linear_kernel`'s tile_norm, off by default until this A/B)
-in_turn_twice tn --tile-norm tile_norm_ab
+# `use_linear_kernel`'s tile_norm, off by default; run 11's ab_tn: up to 4 % slower), on the defaults
+in_turn_twice tn "" --tile-norm tile_norm_ab
 run tb python -m pytest -q -m gpu tests/test_gpu.py -k "block_shapes"
 run t python -m pytest -q -m gpu tests/test_gpu.py -k "triton"
 run k_split_skinny $k --cached-kernel split --linear-kernel skinny

@@ -13,11 +13,13 @@ from pathlib import Path
 
 
 def label(result: dict) -> str:
-    """What a run turned on beyond the kernels' defaults, from the fields `bench_verify_cost` writes."""
+    """Which of the tiles' options a run had on, and PDL when off, from the fields `bench_verify_cost`
+    writes ("none": all off; the defaults moved, tile_activation on since 2026-12-07, so the label says
+    what ran, not whether it was the default; a result older than an option lacks its field: off)."""
     options = [name for name in ("tile_activation", "tile_norm", "pdl_tiles") if result.get(name)]
     if not result.get("pdl", True):
         options.append("no PDL")
-    return ", ".join(options) or "defaults"
+    return ", ".join(options) or "none"
 
 
 def rows(name: str, result: dict) -> list[str]:

@@ -729,12 +729,12 @@ def load_block_shapes(path: str) -> int:
 LINEAR_KERNELS = ("auto", "cublas", "skinny")
 _linear_kernel = "auto"
 _folds = True
-_tile_activation = False
+_tile_activation = True
 _tile_norm = False
 
 
 def use_linear_kernel(
-    name: str, folds: bool = True, tile_activation: bool = False, tile_norm: bool = False
+    name: str, folds: bool = True, tile_activation: bool = True, tile_norm: bool = False
 ) -> None:
     """Which kernel `project` runs for a map of at most `MAX_ROWS` rows in 16 bits on CUDA:
     "cublas" (`F.linear`), "skinny" (`skinny_linear`), or "auto", the default: "skinny" inside
@@ -743,14 +743,17 @@ def use_linear_kernel(
     rotary and cache writes after q|k|v, SiLU·up, the residual adds: `project`, `project_mlp`,
     `project_qkv`); off, that work runs in the compiled layer's own kernels.
     tile_activation: with folds, whether `project_mlp` computes a tile's SiLU·up in gate_up's
-    epilogue (`silu_gate_up`); off, in the compiled layer's own kernel. Off by default until a GPU
-    has measured it (`bench_verify_cost --tile-activation`, `speed_run.sh`'s ta_* items; the
-    kernel checks run it on and off).
+    epilogue (`silu_gate_up`); off, in the compiled layer's own kernel. On by default: on an H100
+    it made the 8B verifies of 2-8 tokens 0.7-2.5 % faster at batch 1 and the decode step and
+    verifies 1.0-2.3 % faster at batch 8 (docs/benchmarks.md, run 11; `speed_run.sh`'s ab_* and
+    ta_* items); the kernel checks run it on and off.
     tile_norm: with folds, whether a tile's RMSNorm between two maps is split between them
     (`project`'s norm_after, `NormedRows`: o_proj and gate_up, and down_proj and the next layer's
     q|k|v): the first writes h · g and its sums of squares, the second scales its sums by 1 / rms;
     off, the norm runs in the compiled layer's own kernel.
-    Off by default until a GPU has measured it (`bench_verify_cost --tile-norm`)."""
+    Off by default: on an H100 it changed batch 1 by under 1 % and made batch 8's 8-token verify
+    4 % slower; with SiLU·up in the epilogue and the tiles' PDL, the verifies of 2-8 tokens were
+    6-14 % slower (run 11, `bench_verify_cost --tile-norm`)."""
     global _linear_kernel, _folds, _tile_activation, _tile_norm
     if name not in LINEAR_KERNELS:
         raise ValueError(f"linear kernel {name!r}: one of {', '.join(LINEAR_KERNELS)}")

@@ -40,9 +40,10 @@ def use_pdl(on: bool = True, tiles: bool = False) -> None:
     steps as they were (the tiles launch without it; the 70B shape's longer maps gained nothing).
     `bench_verify_cost --no-pdl` turns it off.
     tiles: with `on`, the kernels over 2 or more rows too (a verify step's 16–64-row tiles, each
-    with its first block of weights loaded before the wait, as one row's); off by default until
-    an A/B on one GPU says it pays (`bench_verify_cost --pdl-tiles`). PDL alone, without the
-    early weights, made them up to 3 % slower on an H100 (2026-12-06, run 1)."""
+    with its first block of weights loaded before the wait, as one row's); off by default: in
+    the A/B on one H100 (2026-12-07, run 11, `bench_verify_cost --pdl-tiles`) the 8B verifies
+    were 0-2 % slower at batch 1 and up to 6 % at batch 8. PDL alone, without the early weights,
+    made them up to 3 % slower on an H100 (2026-12-06, run 1)."""
     global _pdl, _pdl_tiles
     _pdl, _pdl_tiles = on, tiles
 

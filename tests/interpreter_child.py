@@ -66,11 +66,13 @@ def start(specs: list[str]) -> Child:
 
 def results(child: Child) -> dict[str, str]:
     """spec → "" where the check passed, else its output (`kernel_checks.run_each`); a spec without a
-    line (the child died first) gets the output's end."""
+    line (the child died first) gets its exit status and the output's end, never "" (an empty
+    output must not pass)."""
     child.process.wait()
     child.output.seek(0)
     out = child.output.read()
-    found = {spec: out[-3000:] for spec in child.specs}
+    died = f"no result: the child exited with {child.process.returncode}\n{out[-3000:]}"
+    found = dict.fromkeys(child.specs, died)
     found |= dict.fromkeys(re.findall(r"^OK (.+)$", out, re.M), "")
     for spec, trace in re.findall(r"^FAILED ([^\n]+)\n(.*?)^END \1$", out, re.M | re.S):
         found[spec] = trace

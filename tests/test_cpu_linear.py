@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_ref.cpu_linear import MAX_ROWS, VOCAB_MAX_ROWS, VOCAB_ROWS, apply_linear
+from inference_ref.cpu_linear import MAX_ROWS, VOCAB_MAX_ROWS, VOCAB_ROWS, _few_rows, apply_linear
 
 
 @pytest.mark.parametrize("out_features", [96, VOCAB_ROWS])
@@ -27,13 +27,17 @@ def test_few_rows_are_transposed_products_and_the_rest_the_module(out_features, 
 
 
 def test_other_modules_dtypes_and_hooked_maps_run_as_they_are():
+    # the choice is asserted, not only the output: in bf16 at this shape both ways give the same bits
     linear = torch.nn.Linear(32, 48, bias=False)
     x = torch.randn(3, 32)
+    assert _few_rows(linear, x)  # the control: a plain fp32 map of 3 rows takes the transposed product
     calls = []
     hook = linear.register_forward_hook(lambda module, args, out: calls.append(1))
+    assert not _few_rows(linear, x)
     assert torch.equal(apply_linear(linear, x), linear(x)) and len(calls) == 2  # the hook ran both times
     hook.remove()
     half = torch.nn.Linear(32, 48, bias=False).to(torch.bfloat16)
+    assert not _few_rows(half, x.bfloat16())
     assert torch.equal(apply_linear(half, x.bfloat16()), half(x.bfloat16()))
 
     class Scaled(torch.nn.Linear):  # another kind of map (an FP8 or tensor-parallel one)
@@ -41,4 +45,5 @@ def test_other_modules_dtypes_and_hooked_maps_run_as_they_are():
             return 2 * super().forward(x)
 
     scaled = Scaled(32, 48, bias=False)
+    assert not _few_rows(scaled, x)
     assert torch.equal(apply_linear(scaled, x), scaled(x))

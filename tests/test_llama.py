@@ -158,6 +158,22 @@ def test_gguf_loader_equals_converted_directory(smollm2, smol):
     assert torch.equal(a, b)
 
 
+def test_converted_directory_holds_what_transformers_reads_from_the_gguf(smollm2):
+    """The converted directory every stage loads (our GGUF reader: de-quantization, q/k rows
+    un-interleaved) against transformers' own GGUF loader, an independent reading of the file."""
+    from safetensors.torch import load_file
+
+    gguf = smollm2_gguf()
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    theirs = hf.state_dict()
+    ours = load_file(str(smollm2 / "model.safetensors"))
+    assert ours.keys() == theirs.keys() - {"lm_head.weight"}  # tied to the embedding, stored once
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
 def fake_compile(works_for: int):
     """A torch.compile stand-in whose function runs eager `works_for` times, then raises."""
     calls = []

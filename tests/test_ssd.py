@@ -1,5 +1,5 @@
 """SSD outcome prediction (`inference_ref.ssd`): the cache's tokens per outcome, hits, Saguaro's
-draft distribution (exactness of rejection sampling against it, and why it raises hits), the
+draft distribution (its definition, exactness of sampling against it in the loop, and why it raises hits), the
 geometric fan-out."""
 
 from __future__ import annotations
@@ -21,18 +21,20 @@ def test_the_cache_leaves_out_the_rejected_draft_but_not_after_the_last():
     assert not cache_hits(logits, drafted, torch.tensor([0]), torch.tensor([3]), 2).item()
 
 
-def test_rejection_sampling_against_saguaro_keeps_the_target_distribution():
-    """P(out = t) = q'(t)·min(1, p(t)/q'(t)) + (1 − α)·residual(t) = p(t) for any q', computed exactly."""
+def test_saguaro_scales_the_drafts_top_tokens_by_c_and_renormalizes():
+    """q' is q with its top F + 1 tokens times c, over its new sum, counted here token by token (the
+    exactness of sampling against it is the loop's chi-square test below)."""
     g = torch.Generator().manual_seed(0)
-    p = torch.rand(50, generator=g).softmax(0)
-    q = (3 * torch.rand(50, generator=g)).softmax(0)
-    for c in (1.0, 0.5, 0.1, 0.0):
+    q = (3 * torch.rand(2, 50, generator=g)).softmax(-1)
+    assert saguaro(q, 4, 1.0) is q
+    for c in (0.5, 0.1, 0.0):
         qs = saguaro(q, 4, c)
-        assert torch.isclose(qs.sum(), torch.tensor(1.0))
-        accepted = torch.minimum(p, qs)
-        residual = (p - qs).clamp_min(0)
-        out = accepted + (1 - accepted.sum()) * residual / residual.sum()
-        torch.testing.assert_close(out, p)
+        for row in range(2):
+            top = set(sorted(range(50), key=lambda t: -q[row, t].item())[:5])
+            weights = [q[row, t].item() * (c if t in top else 1.0) for t in range(50)]
+            expected = torch.tensor([w / sum(weights) for w in weights])
+            torch.testing.assert_close(qs[row], expected)
+            assert (qs[row] >= 0).all() and torch.isclose(qs[row].sum(), torch.tensor(1.0))
 
 
 def test_saguaro_puts_the_residual_on_the_cached_tokens():
