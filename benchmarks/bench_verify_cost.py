@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         "--pdl-tiles",
         action="store_true",
         help="with --pdl: the Triton kernels over 2-64 rows (a verify's tiles) with PDL too, each "
-        "loading its first weights before the wait (use_pdl's tiles, off by default until measured); "
+        "loading its first weights before the wait (use_pdl's tiles, off by default: run 11 measured no "
+        "gain); "
         "_pdl_tiles added to the file name",
     )
     p.add_argument("--tag", default="", help="added to the file name (a partial grid, another device)")
@@ -238,8 +239,8 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         "--tile-norm",
         action="store_true",
         help="a tile's RMSNorms split between the maps before and after them (o_proj and gate_up; "
-        "down_proj and the next layer's q|k|v: use_linear_kernel's tile_norm, off by default until "
-        "measured), not in the compiled layer's own kernels; _tile_norm added to the file name",
+        "down_proj and the next layer's q|k|v: use_linear_kernel's tile_norm, off by default: run 11 "
+        "measured no gain), not in the compiled layer's own kernels; _tile_norm added to the file name",
     )
     p.add_argument(
         "--block-shapes",

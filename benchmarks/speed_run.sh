@@ -35,6 +35,9 @@
 # "After run 10"): ta_* (silu_gate_up's A/B), bp* (block shapes given), kp* (the projection with the
 # kernels' step costs); and after the eighth session (no GPU came), pt_* (PDL for the tiles), tn_*
 # (a tile's norms split between the maps around them), ab_* (the three at once: run it first).
+# Run 11 (2026-12-07, an H100): ab_* and ta_*: SiLU·up in gate_up's epilogue pays and is on by
+# default; the tiles' PDL and the split norms do not (off). Next: ta_* on an H200 with BLOCK_SHAPES,
+# then t, kp*, bp*.
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
@@ -138,8 +141,8 @@ in_turn_twice() {
     run "$1_on_again" $ta $3 --tag "$4_again"
 }
 in_turn_twice ta --no-tile-activation --tile-activation tile_activation_ab
-# PDL for the tiles too (2026-12-06, eighth session; `use_pdl`'s tiles, off by default until this
-# A/B; run 11's ab_pt: 0-6 % slower): a verify's 16-64-row tiles and the attention over several
+# PDL for the tiles too (2026-12-06, eighth session; `use_pdl`'s tiles, off by default: run 11's
+# ab_pt 0-6 % slower): a verify's 16-64-row tiles and the attention over several
 # query tokens launch with PDL, each tile's first weights loaded before the wait; on the defaults
 in_turn_twice pt "" --pdl-tiles pdl_tiles_ab
 # a tile's RMSNorms split between the maps around them (2026-12-06, eighth session;

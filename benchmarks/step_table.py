@@ -15,7 +15,8 @@ from pathlib import Path
 def label(result: dict) -> str:
     """Which of the tiles' options a run had on, and PDL when off, from the fields `bench_verify_cost`
     writes ("none": all off; the defaults moved, tile_activation on since 2026-12-07, so the label says
-    what ran, not whether it was the default; a result older than an option lacks its field: off)."""
+    what ran, not whether it was the default). A result older than an option lacks its field: a
+    tile option reads as off (it did not exist), and "no PDL" is written only where the field says so."""
     options = [name for name in ("tile_activation", "tile_norm", "pdl_tiles") if result.get(name)]
     if not result.get("pdl", True):
         options.append("no PDL")

@@ -159,8 +159,9 @@ def test_gguf_loader_equals_converted_directory(smollm2, smol):
 
 
 def test_converted_directory_holds_what_transformers_reads_from_the_gguf(smollm2):
-    """The converted directory every stage loads (our GGUF reader: de-quantization, q/k rows
-    un-interleaved) against transformers' own GGUF loader, an independent reading of the file."""
+    """The converted directory every stage loads (our GGUF reader: names, q/k rows un-interleaved,
+    layout) against transformers' own GGUF loader, which reads the file its own way (both
+    de-quantize with the `gguf` package's `dequantize`)."""
     from safetensors.torch import load_file
 
     gguf = smollm2_gguf()
@@ -170,6 +171,7 @@ def test_converted_directory_holds_what_transformers_reads_from_the_gguf(smollm2
     theirs = hf.state_dict()
     ours = load_file(str(smollm2 / "model.safetensors"))
     assert ours.keys() == theirs.keys() - {"lm_head.weight"}  # tied to the embedding, stored once
+    assert torch.equal(theirs["lm_head.weight"], ours["model.embed_tokens.weight"])
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
 
