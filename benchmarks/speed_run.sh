@@ -37,7 +37,7 @@
 # (a tile's norms split between the maps around them), ab_* (the three at once: run it first).
 # Run 11 (2026-12-07, an H100): ab_* and ta_*: SiLU·up in gate_up's epilogue pays and is on by
 # default; the tiles' PDL and the split norms do not (off). Next: ta_* on an H200 with BLOCK_SHAPES,
-# then t, kp*, bp*.
+# then t, kp*, bp*, and p p_all (where all three together lose).
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
@@ -155,6 +155,9 @@ run k_split_skinny_unfolded $k --cached-kernel split --linear-kernel skinny --un
 run k_mixed_cublas $k --cached-kernel mixed --linear-kernel cublas
 run p $v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 8 --profile --cached-kernel split --linear-kernel skinny
 run p_unfolded $v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 8 --profile --cached-kernel split --linear-kernel skinny --unfolded
+# run 11's all-three slowdown (the tiles' PDL with the norms split: batch 8's decode step 8-13 %
+# slower, none of the three alone over 2 %), profiled by kernel kind beside p
+run p_all $v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 8 --profile --cached-kernel split --linear-kernel skinny --pdl-tiles --tile-norm --tag all_three
 k70="$v --shape llama3_70b --layers 8 16 --compiled-layers --batches 1 8 --new-tokens 1 2 4 6 8 --tag kernels"
 run k70_split_skinny $k70 --cached-kernel split --linear-kernel skinny
 run k70_mixed_cublas $k70 --cached-kernel mixed --linear-kernel cublas
