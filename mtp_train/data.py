@@ -215,7 +215,7 @@ def _turns_of(
         if not isinstance(item, dict):
             raise _error(source, where, f"expected an object with {role_key!r} and {text_key!r}")
         role = item.get(role_key)
-        if role not in roles:
+        if not isinstance(role, str) or role not in roles:  # a list or object is no dict key
             raise _error(source, f"{where}.{role_key}", f"{role!r} is not one of {', '.join(roles)}")
         out.append({"role": roles[role], "content": _text(source, f"{where}.{text_key}", item.get(text_key))})
     return out

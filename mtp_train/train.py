@@ -44,7 +44,7 @@ from mtp_train.states import choose as choose_states
 from mtp_train.store import Store
 
 TrainingStates = StoreStates | OnlineStates
-from mtp_train.validate.during_training import DuringTraining
+from mtp_train.validate.during_training import DuringTraining, eval_prompts
 
 
 def build_head(
@@ -336,6 +336,7 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, TrainingStates, int]:
     t.data = samples_data_config(cfg, states)
     if tc.validate_every or tc.spec_validate_at:  # before any step: the set-aside text must be unseen
         check_holdout_unseen(cfg.data, t.data, describe_data(states, tc))
+        eval_prompts(cfg.validate)  # the prompts it answers, read now: none, or a bad file, stops here
     return t, run, states, start
 
 

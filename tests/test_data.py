@@ -262,6 +262,10 @@ ERRORS = [
         {"messages": [user("u"), {"role": "bot", "content": "a"}]},
         r"messages\[1\]\.role: 'bot' is not one of system, user, assistant",
     ),
+    (  # a list is no key of the role table: the same line, not a TypeError
+        {"messages": [{"role": ["user"], "content": "x"}]},
+        r"messages\[0\]\.role: \['user'\] is not one of system, user, assistant",
+    ),
     (
         {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
         r"messages\[0\]\.content: content must be a string, got list",
@@ -383,6 +387,22 @@ def test_validation_refuses_set_aside_records_the_head_may_have_trained_on(tmp_p
 
 
 # --- prompts -----------------------------------------------------------------------------------
+
+
+def test_evaluation_prompts_that_hold_none_are_refused_in_one_line(tmp_path):
+    """Validation and the trainer call `eval_prompts` before the target loads: an empty file is
+    named there, not met as an empty max() after the target-alone pass has started."""
+    from mtp_train.config import ConfigError, ValidateConfig
+    from mtp_train.validate.during_training import eval_prompts
+
+    empty = tmp_path / "empty.jsonl"
+    empty.touch()
+    with pytest.raises(ConfigError, match=r"^validate.eval_files \[.*empty.jsonl'\] hold no prompt$"):
+        eval_prompts(ValidateConfig(eval_files=[str(empty)]))
+    path = write_jsonl(tmp_path / "p.jsonl", [{"turns": ["a"]}, {"turns": ["b"]}])
+    assert [p.turns for p in eval_prompts(ValidateConfig(eval_files=[path], num_prompts=1))] == [
+        [[user("a")]]
+    ]
 
 
 def test_load_prompts_cuts_conversations_to_user_turns(tmp_path):

@@ -471,6 +471,13 @@ def test_an_engine_export_without_the_native_config_is_refused_in_one_line(tiny_
         ex.load_head(out, tiny_target)
 
 
+def test_a_head_directory_that_is_missing_or_holds_no_config_is_named(tiny_target, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope: no such directory \(expected a head directory"):
+        ex.load_head(tmp_path / "nope", tiny_target)
+    with pytest.raises(FileNotFoundError, match=r": no config.json \(expected a head directory"):
+        ex.load_head(tmp_path, tiny_target)
+
+
 def test_a_bad_weights_file_is_named_as_the_file_read(tiny_target, identity, tmp_path):
     """An engine export's checks name its model.safetensors, not a native head.safetensors that
     is not there; a corrupt file is named too (safetensors' own error names none)."""

@@ -10,12 +10,21 @@ from pathlib import Path
 
 from inference_ref.draft import load_draft
 from inference_ref.speculative import Chain, SpecStats
-from mtp_train.config import ConfigError, RunConfig
-from mtp_train.data import Sample, load_prompts
+from mtp_train.config import ConfigError, RunConfig, ValidateConfig
+from mtp_train.data import Prompt, Sample, load_prompts
 from mtp_train.export import load_head
 from mtp_train.run import Run
 from mtp_train.validate.parity import holdout_samples, samples_of, store_rounding, teacher_forced
 from mtp_train.validate.passes import Evaluator, speculative_pass, target_only_pass
+
+
+def eval_prompts(vc: ValidateConfig) -> list[Prompt]:
+    """validate.eval_files' prompts (at most validate.num_prompts), refused in one line when they
+    hold none: validation and the trainer call it before loading the target or taking a step."""
+    prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)
+    if not prompts:
+        raise ConfigError(f"validate.eval_files {list(vc.eval_files)} hold no prompt")
+    return prompts
 
 
 class DuringTraining:
@@ -38,7 +47,7 @@ class DuringTraining:
         self.cfg, self.run, self.rank, self.world = cfg, run, rank, world
         self.ev: Evaluator | None = None
         vc = cfg.validate
-        self.prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)[rank::world]
+        self.prompts = eval_prompts(vc)[rank::world]
         # Prompt m of this rank is prompt rank + m·world overall: the teacher-forced set is the
         # first `teacher_forced_samples` prompts whatever the number of processes.
         self.tf_limit = max(0, -(-(vc.teacher_forced_samples - rank) // world))

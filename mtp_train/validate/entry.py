@@ -12,10 +12,10 @@ import torch
 from inference_ref.speculative import Chain
 from mtp_train.cli import RECIPES, one_line_errors
 from mtp_train.config import ConfigError, RunConfig, checked
-from mtp_train.data import load_prompts
 from mtp_train.export import load_head
 from mtp_train.projection import project
 from mtp_train.run import resolve_run
+from mtp_train.validate.during_training import eval_prompts
 from mtp_train.validate.engine import check_engine, share_identical, vllm_validation
 from mtp_train.validate.parity import holdout_samples, samples_of, store_rounding, teacher_forced
 from mtp_train.validate.passes import (
@@ -43,9 +43,9 @@ def run_validation(cfg: RunConfig) -> dict:
         print(f"validation: {previous} was made with this head and these settings; reused")
         return json.loads(previous.read_text())
     check_engine(vc, cfg.model.tp_size)
+    prompts = eval_prompts(vc)  # before the target loads: a bad file fails now
     run = resolve_run(cfg.model, vc.dtype, sharded_as="mtp_train.validate")
     ev = Evaluator.load(run, Path(vc.head), vc.compile)
-    prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)
     baseline, base_dialogs, base_tokens = target_only_pass(ev, prompts, vc, "validate: target alone")
     report = {
         "head": str(vc.head),
