@@ -96,13 +96,18 @@ def iter_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     if path.is_dir():
         yield from _dataset_records(path, _from_disk(path))
     elif path.suffix == ".parquet":
-        yield from _dataset_records(
-            path, datasets.load_dataset("parquet", data_files=str(path), split="train")
-        )
+        yield from _dataset_records(path, _parquet(path))
     elif path.suffix in (".jsonl", ".json"):
         yield from _json_records(path)
     else:
         raise DataFormatError(f"{path}: not a .jsonl, .json or .parquet file, nor a save_to_disk directory")
+
+
+def _parquet(path: Path) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except ValueError as e:  # pyarrow's ArrowInvalid for a torn or foreign file: its text names no file
+        raise DataFormatError(f"{path}: not a readable parquet file ({e})") from e
 
 
 def _from_disk(path: Path) -> datasets.Dataset:

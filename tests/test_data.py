@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import datasets
 import pytest
@@ -316,6 +317,14 @@ def test_error_in_parquet_names_record_index(tmp_path):
         [{"messages": [user("u")]}, {"messages": [{"role": "bot", "content": "x"}]}]
     ).to_parquet(path)
     with pytest.raises(DataFormatError, match=rf"^{path}:1: messages\[0\]\.role: 'bot'"):
+        load_conversations([path])
+
+
+def test_a_torn_parquet_file_is_named(tmp_path):
+    path = str(tmp_path / "d.parquet")
+    datasets.Dataset.from_list([{"prompt": "a"}]).to_parquet(path)
+    Path(path).write_bytes(Path(path).read_bytes()[:-12])  # the footer cut off, as a copy cut short
+    with pytest.raises(DataFormatError, match=rf"^{path}: not a readable parquet file \("):
         load_conversations([path])
 
 
