@@ -34,13 +34,10 @@ DFLASH_LAYERS = "layers."
 
 def read_config(path: Path) -> dict:
     """A head directory's config.json as it is."""
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"{path}: no such directory (expected a head directory: a native or eagle3/vllm export)"
-        )
     if not (path / CONFIG).exists():
+        missing = f"no {CONFIG}" if path.is_dir() else "no such directory"
         raise FileNotFoundError(
-            f"{path}: no {CONFIG} (expected a head directory: a native or eagle3/vllm export)"
+            f"{path}: {missing} (expected a head directory: a native or eagle3/vllm export)"
         )
     return read_json(path / CONFIG)
 

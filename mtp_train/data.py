@@ -24,7 +24,7 @@ from pathlib import Path
 
 import datasets
 
-from mtp_train.config import DataConfig
+from mtp_train.config import ConfigError, DataConfig
 
 Message = dict[str, str]
 
@@ -440,4 +440,13 @@ def load_prompts(files: Iterable[str | Path], limit: int | None = None) -> list[
         if p.id in seen:
             raise _error(p.source, "id", f"{p.id!r} is also the id of {seen[p.id]}; ids must be unique")
         seen[p.id] = p.source
+    return prompts
+
+
+def named_prompts(setting: str, files: Iterable[str | Path], limit: int | None = None) -> list[Prompt]:
+    """`load_prompts` for the files a setting names (`regenerate.prompts`, `validate.eval_files`),
+    refused in one line naming it when they hold none."""
+    prompts = load_prompts(files, limit)
+    if not prompts:
+        raise ConfigError(f"{setting} {list(files)} hold no prompt")
     return prompts

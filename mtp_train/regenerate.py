@@ -42,7 +42,7 @@ from mtp_train.config import ConfigError, RegenerateConfig, checked
 from mtp_train.data import (
     Message,
     Prompt,
-    load_prompts,
+    named_prompts,
     parse_object,
     prompt_ids,
     to_conversation,
@@ -278,9 +278,7 @@ def _regenerate(rcfg, target_dir, device, dtype, quantization, ranks, capture) -
     ranks = ranks or one_process(device)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     out, counts = Path(rcfg.output), Counts()
-    prompts = load_prompts(rcfg.prompts, limit=rcfg.limit)
-    if not prompts:
-        raise ValueError(f"regenerate.prompts {list(rcfg.prompts)} hold no prompt")
+    prompts = named_prompts("regenerate.prompts", rcfg.prompts, rcfg.limit)
     # every group must deal the same list: one rank reads (and cuts torn lines) before any writes
     done, problem = ranks.from_main(lambda: resumed_ids(out, prompts))
     if problem:

@@ -22,7 +22,7 @@ from mtp_train.serving.layouts import LayoutUnsupported
 from mtp_train.store import Store
 from mtp_train.train import train
 from mtp_train.validate import run_validation, summary
-from tiny import assert_serves_as_trained, assert_tau_consistent, recipe
+from tiny import assert_serves_as_trained, assert_tau_consistent, recipe, supervised_counts
 
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO / "tests" / "data" / "gsm8k_64.jsonl"
@@ -76,11 +76,8 @@ def test_the_head_scores_the_stores_most_frequent_tokens(pipeline, tiny_target):
     cfg = pipeline["cfg"]
     head = load_head(Path(cfg.train.out_dir) / "head", Target.resolve(str(tiny_target)))
     # counted here from the store's samples, not with the store's own counter that training calls
-    store, vocab_size = Store(pipeline["store"]), head.spec.target.vocab_size
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for i in range(len(store)):
-        t, m, _ = store.sample(i)
-        counts += torch.bincount(t[m], minlength=vocab_size)
+    vocab_size = head.spec.target.vocab_size
+    counts = supervised_counts(Store(pipeline["store"]), vocab_size)
     ranked = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))  # ties: the lower id
     ids = torch.tensor(sorted(ranked[:VOCAB]))
     assert torch.equal(head.draft_ids, ids)

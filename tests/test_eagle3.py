@@ -40,6 +40,7 @@ from tiny import (
     frozen_of,
     randomized,
     recipe,
+    supervised_counts,
     tiny_deepseek,
     tiny_llama,
 )
@@ -149,11 +150,7 @@ def test_native_export_carries_the_draft_vocabulary(pipeline, deep_target):
     # The draft vocabulary is the store's most frequent supervised tokens.
     from mtp_train.store import Store
 
-    store = Store(pipeline["store"])
-    counts = torch.zeros(49152, dtype=torch.int64)
-    for i in range(len(store)):
-        t, m, _ = store.sample(i)
-        counts += torch.bincount(t[m], minlength=49152)
+    counts = supervised_counts(Store(pipeline["store"]), 49152)
     assert counts[ids].min() >= counts[~torch.isin(torch.arange(49152), ids)].max()
     draft = load_draft(native, load_target(deep_target))
     assert draft.capture == tuple(AUX) and torch.equal(draft.draft_ids, ids)

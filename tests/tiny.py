@@ -90,3 +90,13 @@ def assert_serves_as_trained(report: dict, k: int) -> None:
     assert_tau_consistent(greedy, k=k)
     tf = report["teacher_forced"]
     assert tf["parity_gap"]["ce"] < 1e-3 * max(1.0, tf["trainer"]["ce"])
+
+
+def supervised_counts(store, vocab_size: int) -> torch.Tensor:
+    """How often each target id is supervised in a store, counted from its samples one by one (not
+    with `Store.most_frequent_tokens`, which training calls and the tests check)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for i in range(len(store)):
+        ids, mask, _ = store.sample(i)
+        counts += torch.bincount(ids[mask], minlength=vocab_size)
+    return counts

@@ -11,7 +11,7 @@ from pathlib import Path
 from inference_ref.draft import load_draft
 from inference_ref.speculative import Chain, SpecStats
 from mtp_train.config import ConfigError, RunConfig, ValidateConfig
-from mtp_train.data import Prompt, Sample, load_prompts
+from mtp_train.data import Prompt, Sample, named_prompts
 from mtp_train.export import load_head
 from mtp_train.run import Run
 from mtp_train.validate.parity import holdout_samples, samples_of, store_rounding, teacher_forced
@@ -19,12 +19,14 @@ from mtp_train.validate.passes import Evaluator, speculative_pass, target_only_p
 
 
 def eval_prompts(vc: ValidateConfig) -> list[Prompt]:
-    """validate.eval_files' prompts (at most validate.num_prompts), refused in one line when they
-    hold none: validation and the trainer call it before loading the target or taking a step."""
-    prompts = load_prompts(vc.eval_files, limit=vc.num_prompts)
-    if not prompts:
-        raise ConfigError(f"validate.eval_files {list(vc.eval_files)} hold no prompt")
-    return prompts
+    """validate.eval_files' prompts (at most validate.num_prompts), refused in one line when it
+    names no file or its files hold none: validation and the trainer call it before loading the
+    target or taking a step."""
+    if not vc.eval_files:
+        raise ConfigError(
+            "validate.eval_files is empty: name the evaluation prompts (e.g. data/mt_bench.jsonl)"
+        )
+    return named_prompts("validate.eval_files", vc.eval_files, vc.num_prompts)
 
 
 class DuringTraining:

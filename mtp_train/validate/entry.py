@@ -11,7 +11,7 @@ import torch
 
 from inference_ref.speculative import Chain
 from mtp_train.cli import RECIPES, one_line_errors
-from mtp_train.config import ConfigError, RunConfig, checked
+from mtp_train.config import RunConfig, checked
 from mtp_train.export import load_head
 from mtp_train.projection import project
 from mtp_train.run import resolve_run
@@ -32,10 +32,7 @@ from mtp_train.validate.report import report_fingerprint, summary, verify_costs,
 def run_validation(cfg: RunConfig) -> dict:
     checked(cfg)
     vc = cfg.validate
-    if not vc.eval_files:
-        raise ConfigError(
-            "validate.eval_files is empty: name the evaluation prompts (e.g. data/mt_bench.jsonl)"
-        )
+    prompts = eval_prompts(vc)  # before any work: a bad or empty file fails now
     shapes = [verify_costs(path) for path in vc.verify_costs]  # before any work: a bad path fails now
     fingerprint = report_fingerprint(cfg)
     previous = Path(vc.report)
@@ -43,7 +40,6 @@ def run_validation(cfg: RunConfig) -> dict:
         print(f"validation: {previous} was made with this head and these settings; reused")
         return json.loads(previous.read_text())
     check_engine(vc, cfg.model.tp_size)
-    prompts = eval_prompts(vc)  # before the target loads: a bad file fails now
     run = resolve_run(cfg.model, vc.dtype, sharded_as="mtp_train.validate")
     ev = Evaluator.load(run, Path(vc.head), vc.compile)
     baseline, base_dialogs, base_tokens = target_only_pass(ev, prompts, vc, "validate: target alone")
