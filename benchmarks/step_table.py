@@ -39,7 +39,10 @@ def table(files: list[Path]) -> str:
     header = "| file | options | batch | decode ms (read limit) | verify / decode by new tokens |"
     lines = [header, "|---|---|---|---|---|"]
     for file in files:
-        lines += rows(file.stem.removeprefix("verify_cost_"), json.loads(file.read_text()))
+        result = json.loads(file.read_text())
+        if "verify_ms" not in result:
+            raise SystemExit(f"step_table: {file} has no 'verify_ms' (not a bench_verify_cost result)")
+        lines += rows(file.stem.removeprefix("verify_cost_"), result)
     return "\n".join(lines)
 
 
