@@ -101,14 +101,13 @@ def verify_costs(model, batches, new_tokens, context: int = CONTEXT) -> dict[str
 
 
 @torch.inference_mode()
-def draft_costs(cfg, batches, context: int = CONTEXT) -> dict[str, float]:
-    """ms of one draft step per batch: a one-layer model of the target's layer shape (its layer,
+def draft_steps(cfg, batches, context: int = CONTEXT):
+    """Per batch, (batch, one draft step): a one-layer model of the target's layer shape (its layer,
     the shared embedding, final norm and lm_head) plus the head's fc (2H → H), one token per row."""
     layer = TARGET_KINDS[cfg.model_type].random(
         type(cfg)(**{**cfg.__dict__, "num_hidden_layers": 1}), DEVICE, DTYPE, 0
     )
     fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False, device=DEVICE, dtype=DTYPE)
-    out = {}
     for b in batches:
         cache = layer.new_cache(b, context + 8)
         cache.lengths.fill_(context)
@@ -119,7 +118,31 @@ def draft_costs(cfg, batches, context: int = CONTEXT) -> dict[str, float]:
             fc(state)
             layer.logits(layer.forward_cached(ids, cache, static=True))
 
-        out[str(b)] = graphed(step)
+        yield b, step
+
+
+def draft_costs(cfg, batches, context: int = CONTEXT) -> dict[str, float]:
+    """ms of one replayed draft step per batch (`draft_steps`)."""
+    return {str(b): graphed(step) for b, step in draft_steps(cfg, batches, context)}
+
+
+@torch.inference_mode()
+def draft_profiles(cfg, batches, context: int = CONTEXT, repeats: int = 10) -> dict:
+    """Where a replayed draft step's time goes, per batch: its ms, GPU ms by kernel kind and the top
+    kernels (run 12's projection: at batch 1 two draft steps cost 3.5x what the verify adds over a
+    decode step, and a step read its 1.16 GB at half the peak)."""
+    out = {}
+    for b, step in draft_steps(cfg, batches, context):
+        graph = captured(step)
+        profiled = kernel_profile(lambda graph=graph: [graph.replay() for _ in range(repeats)])
+        out[str(b)] = {
+            "step_ms": replay_ms(graph),
+            "gpu_busy_ms": profiled["gpu_busy_ms"] / repeats,
+            "ms_by_kind": {kind: ms / repeats for kind, ms in profiled["ms_by_kind"].items()},
+            "kernels_per_step": profiled["kernel_calls"] / repeats,
+            "top_kernels": profiled["top_kernels"],
+        }
+        del graph
     return out
 
 
@@ -354,6 +377,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             "peak_bandwidth_bytes_per_s": peak_bandwidth(device_name),
             "decode_read": decode_read_limits(cfg, verify, device_name, args.context),
             "decode_profile": profiles,
+            "draft_profile": draft_profiles(cfg, args.batches, args.context) if args.profile else None,
         },
     )
 
