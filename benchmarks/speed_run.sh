@@ -38,6 +38,11 @@
 # Run 11 (2026-12-07, an H100): ab_* and ta_*: SiLU·up in gate_up's epilogue pays and is on by
 # default; the tiles' PDL and the split norms do not (off). Next: ta_* on an H200 with BLOCK_SHAPES,
 # then t, kp*, bp*, and p p_all (where all three together lose).
+# Run 12 (2026-12-07, twelfth session, an H100 again): ta_* with BLOCK_SHAPES=..._h100.json (the
+# default's batch-1 verifies 1.076-1.091x), t (passed), kp* (the projection with the kernels'
+# costs: -0.5 %, +6.3 %), p, p_all, k70_split_skinny, decode64. Next, on an H200: ta_*, then bp*,
+# p (now with the draft step's profile: two draft steps cost 3.5x what a verify adds at batch 1),
+# kp* and k70_split_skinny (now with 3 and 5 tokens, for the 70B projection's k = 2 and 4).
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
@@ -158,7 +163,8 @@ run p_unfolded $v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens
 # run 11's all-three slowdown (the tiles' PDL with the norms split: batch 8's decode step 8-13 %
 # slower, none of the three alone over 2 %), profiled by kernel kind beside p
 run p_all $v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 8 --profile --cached-kernel split --linear-kernel skinny --pdl-tiles --tile-norm --tag all_three
-k70="$v --shape llama3_70b --layers 8 16 --compiled-layers --batches 1 8 --new-tokens 1 2 4 6 8 --tag kernels"
+# 3 and 5 tokens too: the projection costs chains of k = 2 and 4 from them (run 12 had 2, 4, 6, 8)
+k70="$v --shape llama3_70b --layers 8 16 --compiled-layers --batches 1 8 --new-tokens 1 2 3 4 5 6 8 --tag kernels"
 run k70_split_skinny $k70 --cached-kernel split --linear-kernel skinny
 run k70_mixed_cublas $k70 --cached-kernel mixed --linear-kernel cublas
 run g python -m benchmarks.bench_gemv --shape llama3_8b
