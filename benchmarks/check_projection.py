@@ -28,6 +28,7 @@ from inference_ref.draft import load_draft
 from inference_ref.generate import generate, prefill
 from inference_ref.head_spec import HeadSpec
 from inference_ref.models import TARGET_KINDS
+from inference_ref.skinny_linear import load_block_shapes
 from inference_ref.speculative import Chain, speculative_generate
 from mtp_train.export import save_head
 from mtp_train.heads import MTPHead
@@ -54,7 +55,10 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--compiled-layers", action="store_true", help="the target's layers compiled")
     p.add_argument("--costs", help="the step costs to project with (default: verify_cost_<shape>.json)")
+    p.add_argument("--block-shapes", help="the skinny maps' block shapes from this JSON instead of timed")
     args = p.parse_args()
+    if args.block_shapes:  # the picks the costs were measured with, so that the two runs agree
+        load_block_shapes(args.block_shapes)
     costs_path = Path(args.costs) if args.costs else RESULTS / f"verify_cost_{args.shape}.json"
     costs = json.loads(costs_path.read_text())  # read first: a wrong path fails before the runs
     cfg = shape(args.shape)
@@ -73,11 +77,13 @@ def main() -> None:
         speculative_generate(target, draft, prompts, args.new, no_eos, Chain(args.k), graph=True)
         base = timed(lambda: generate(target, prompts, args.new, no_eos))
         # both loops start with the same prefill of every prompt, which the model leaves out;
-        # warmed up first: with compiled layers a cache of this length is a new shape, and its
-        # compile (5-7 s on 2026-12-07's H100) timed here made the measured speed-up meaningless
+        # run as the loops run it (in inference mode: a tensor outside it is another input to the
+        # compiled layers' guards) and warmed up: on 2026-12-07 the cold call outside inference
+        # mode compiled the layers again, 5-7 s timed as the prefill
         cache_len = 1024 + args.new + 2 * args.k + 1
-        prefill(target, prompts, cache_len)
-        prefill_s = timed(lambda: prefill(target, prompts, cache_len))
+        with torch.inference_mode():
+            prefill(target, prompts, cache_len)
+            prefill_s = timed(lambda: prefill(target, prompts, cache_len))
         box = []
         spec = timed(
             lambda: box.append(
@@ -98,6 +104,7 @@ def main() -> None:
             "compiled_layers": args.compiled_layers,
             "compiled_layers_ran": target.runs_compiled("cached"),  # false after a fallback
             "costs": costs_path.name,
+            "block_shapes_from": args.block_shapes,
             "batch": args.batch,
             "k": args.k,
             "new_tokens": args.new,

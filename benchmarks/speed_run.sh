@@ -110,11 +110,12 @@ run o8_on_again $o8 --pdl --tag pdl_ab_again
 # checked against the graphed loop): verifies of 1-5 tokens (chains of k <= 4), the loop with the
 # target's layers compiled (the split-key attention and skinny maps, as serving runs them) at
 # batches 1 and 8, then the costs at batches 32 and 64 for the projection's table
-kp="$v --shape llama3_8b --compiled-layers --new-tokens 1 2 3 4 5 --cached-kernel split --linear-kernel skinny"
+# (BLOCK_SHAPES: the picks given to both, so that the loop runs the kernels the costs were measured with)
+kp="$v --shape llama3_8b --compiled-layers --new-tokens 1 2 3 4 5 --cached-kernel split --linear-kernel skinny ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}"
 run kp $kp --batches 1 8 --tag projection
 kp_costs=benchmarks/results/verify_cost_llama3_8b_split_skinny_compiled_projection.json
-run kp_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs
-run kp_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs
+run kp_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
+run kp_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
 run kp64 $kp --batches 32 64 --tag projection_b64
 # the block shapes given instead of timed (2026-12-06, seventh session): run 10's fastest 8B picks
 # (benchmarks/block_shapes_llama3_8b_h200.json) in two processes, then one timing its own

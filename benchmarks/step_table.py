@@ -41,7 +41,7 @@ def table(files: list[Path]) -> str:
     for file in files:
         result = json.loads(file.read_text())
         if "verify_ms" not in result:
-            raise SystemExit(f"step_table: {file} has no 'verify_ms' (not a bench_verify_cost result)")
+            raise ValueError(f"{file}: no 'verify_ms' (not a bench_verify_cost result)")
         lines += rows(file.stem.removeprefix("verify_cost_"), result)
     return "\n".join(lines)
 
@@ -49,7 +49,10 @@ def table(files: list[Path]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", type=Path, help="bench_verify_cost JSONs, in the order run")
-    print(table(p.parse_args(argv).files))
+    try:
+        print(table(p.parse_args(argv).files))
+    except ValueError as e:
+        raise SystemExit(f"step_table: {e}") from None
 
 
 if __name__ == "__main__":
