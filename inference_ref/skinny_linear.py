@@ -746,7 +746,8 @@ def use_linear_kernel(
     epilogue (`silu_gate_up`); off, in the compiled layer's own kernel. On by default: on an H100
     it made the 8B verifies of 2-8 tokens 0.7-2.5 % faster at batch 1 and the decode step and
     verifies 1.0-2.3 % faster at batch 8 (docs/benchmarks.md, run 11; `speed_run.sh`'s ab_* and
-    ta_* items); the kernel checks run it on and off.
+    ta_* items), and with the block shapes given, 1.1-1.4 % at both batches (run 12); the kernel
+    checks run it on and off.
     tile_norm: with folds, whether a tile's RMSNorm between two maps is split between them
     (`project`'s norm_after, `NormedRows`: o_proj and gate_up, and down_proj and the next layer's
     q|k|v): the first writes h · g and its sums of squares, the second scales its sums by 1 / rms;
