@@ -57,6 +57,7 @@ def load_target(
     quantization: str = "none",
     tp_mesh=None,
     headroom: float = 0.1,
+    say=None,
 ) -> TargetModel:
     """Load a target from a Hugging Face directory (any kind) or a Llama `.gguf` file.
     `quantization="fp8"` turns its layers' linear maps into FP8 ones, layer by layer as they reach
@@ -67,7 +68,8 @@ def load_target(
     kind that is `compilable`; elsewhere it is ignored. `tp_mesh` (a one-dimensional device mesh of
     more than one rank) shards it (`inference_ref.tensor_parallel`), each rank reading only its
     shards. On a GPU, a target whose weights would leave less than `headroom` of its memory free is
-    refused before anything is read."""
+    refused before anything is read. `say`: where to announce the load, which reads the whole
+    checkpoint (16 GB at 8B: tens of seconds; a 70B share: minutes) before its caller prints again."""
     from inference_ref import tensor_parallel
 
     path = Path(path)
@@ -84,6 +86,7 @@ def load_target(
             raise ValueError(
                 f"{path}: a .gguf target loads whole; convert it to a directory for model.tp_size={tp}"
             )
+        _announce(say, path, device, tp, quantization)
         model = load_gguf(path, "cpu" if fp8 else device, dtype)
     else:
         cfg = read_target_config(path)
@@ -91,6 +94,7 @@ def load_target(
         if tp > 1:
             tensor_parallel.check_shardable(cfg, tp)
         tensor_parallel.check_fits(cfg, tp, torch.device(device), dtype, quantization, headroom)
+        _announce(say, path, device, tp, quantization)
         if tp > 1:
             model = tensor_parallel.load_parallel(path, cfg, tp_mesh, device, dtype)
         else:  # FP8: built on the CPU, quantized layer by layer on its way to the device
@@ -100,6 +104,17 @@ def load_target(
     if compile and torch.device(device).type == "cuda" and model.compilable:
         model.compile_layers()
     return model
+
+
+def _announce(say, path: Path, device, tp: int, quantization: str) -> None:
+    if say is None:
+        return
+    files = [path] if path.is_file() else set(safetensors_files(path).values())
+    size = sum(Path(f).stat().st_size for f in files)
+    how = (f", {tp}-way tensor parallel" if tp > 1 else "") + (
+        f", {quantization}" if quantization != "none" else ""
+    )
+    say(f"loading the target {path} ({size / 1e9:.1f} GB on disk) onto {device}{how}")
 
 
 def check_checkpoint(path: Path, cfg: TargetConfig) -> None:

@@ -33,6 +33,7 @@ def latest(out_dir: Path, identity: dict | None = None, say: Callable[[str], Non
     """The newest intact checkpoint in `out_dir` (None if there is none). A damaged one is skipped,
     saying so; one made with another target, store or plan (`identity`) is refused."""
     for ckpt in sorted(out_dir.glob(f"{PREFIX}*"), reverse=True):
+        say(f"checkpoint {ckpt}: checking its files against their sha256 before resuming")
         problem = damage(ckpt)
         if problem:
             say(f"checkpoint {ckpt} is damaged ({problem}); falling back to the one before it")
@@ -119,6 +120,7 @@ def save(
     compares with its own)."""
     final = out_dir / f"{PREFIX}{step:07d}"
     tmp = out_dir / f".tmp-{PREFIX}{step:07d}"
+    acc.print(f"step {step}: writing checkpoint {final} (then hashing its files)")
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     acc.wait_for_everyone()

@@ -108,6 +108,7 @@ def stage(name: str):
 
 def run_demo(overrides: list[str]) -> dict:
     """Run every stage; returns the validation report with the stages' figures added."""
+    print("importing torch, transformers and the stages (about 15 s on 2 cores)", flush=True)
     import torch
 
     from mtp_train.capture import StoreCapture

@@ -133,6 +133,8 @@ def prepare(cfg, rank: int, world: int, device: torch.device | str = "cpu") -> R
 
     target = Target.resolve(cfg.model.target)
     tokenizer = AutoTokenizer.from_pretrained(str(target.dir))
+    if rank == 0:  # the chat template rendered per turn: minutes for a million conversations
+        print(f"precompute: tokenizing data.train_files {list(cfg.data.train_files)}", flush=True)
     samples, counts = load_samples(cfg.data, tokenizer)
     if not samples:
         raise ValueError(
@@ -303,7 +305,10 @@ def precompute_rank(job: RankJob, ranks: Ranks) -> None:
         print(f"precompute rank {job.rank}: resuming, {len(done)} samples stored, {len(todo)} to go")
     if todo:
         dtype = model_dtype(job.model_dtype, ranks.device)
-        model = load_target(job.target_dir, ranks.device, dtype, job.compile, job.quantization, ranks.tp_mesh)
+        say = print if ranks.main else None
+        model = load_target(
+            job.target_dir, ranks.device, dtype, job.compile, job.quantization, ranks.tp_mesh, say=say
+        )
         if job.quantization == "fp8_static":
             calibrate_static_fp8(model, job)
         started = time.perf_counter()

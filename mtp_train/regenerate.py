@@ -288,7 +288,8 @@ def _regenerate(rcfg, target_dir, device, dtype, quantization, ranks, capture) -
         capture.open(tokenizer)  # after `written_turns` has cut a torn last line
 
     def load(mesh=None):
-        return load_target(target_dir, device, dtype, rcfg.compile, quantization, mesh)
+        say = print if ranks.main else None
+        return load_target(target_dir, device, dtype, rcfg.compile, quantization, mesh, say=say)
 
     target = None
     if todo:

@@ -67,11 +67,12 @@ class StoreStates:
         shas = "".join(s["sha256"] for s in self.store.manifest["shards"])
         return hashlib.sha256(shas.encode()).hexdigest()[:16]
 
-    def check(self, spec: HeadSpec, target_identity: dict) -> None:
-        """The store's target, shards, counts, auxiliary layers and width against the head's."""
+    def check(self, spec: HeadSpec, target_identity: dict, say=None) -> None:
+        """The store's target, shards, counts, auxiliary layers and width against the head's (`say`:
+        where the shards' hashing is announced)."""
         store = self.store
         store.check_target(target_identity)
-        store.verify()  # every shard's sha256 (cached once verified) and the manifest's counts
+        store.verify(say=say)  # every shard's sha256 (cached once verified) and the manifest's counts
         if len(store) == 0:
             raise ValueError(
                 f"{store.path}: the store holds no sample (no supervised assistant tokens in the data?)"
@@ -156,7 +157,7 @@ class OnlineStates:
     def identity(self) -> str:
         return f"online:{self.data_sha[:16]}"
 
-    def check(self, spec: HeadSpec, target_identity: dict) -> None:
+    def check(self, spec: HeadSpec, target_identity: dict, say=None) -> None:
         if not len(self.data):
             raise ValueError("the data give no training sample (no supervised assistant tokens?)")
 

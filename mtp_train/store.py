@@ -213,6 +213,14 @@ class ShardWriter:
         """A resumed rank re-hashes its journaled shards: one damaged or deleted since it was written
         leaves the journal and is computed again, rather than being published in the manifest
         unchecked (or stopping the store for good: `repair` needs a manifest to work from)."""
+        if self.shards:  # every committed shard read whole: minutes for hundreds of GB
+            files = [self.dir / e["file"] for e in self.shards]
+            size = sum(f.stat().st_size for f in files if f.exists())
+            print(
+                f"precompute rank {self.rank}: checking {len(self.shards)} committed shards "
+                f"({size / 1e9:.1f} GB) before resuming",
+                flush=True,
+            )
         problems = {e["file"]: shard_problem(self.dir / e["file"], e["sha256"]) for e in self.shards}
         damaged = [e for e in self.shards if problems[e["file"]]]
         for entry in damaged:
@@ -499,12 +507,14 @@ class Store:
             hidden = dequantize_fp8(hidden, shard["hidden_scale"][a:b])
         return shard["input_ids"][a:b].long(), shard["loss_mask"][a:b].bool(), hidden
 
-    def verify(self, full: bool = False) -> None:
+    def verify(self, full: bool = False, say=None) -> None:
         """Check the manifest's counts against its shards and every shard's sha256; raise naming the
         first damaged shard and how to repair it. Unless `full`, a shard whose size and modification
         time are those it had when it last hashed right is not hashed again (`verified.json`), so a
         training run pays the hashing once per store, not once per start; a corruption that keeps
-        size and time (bit rot, a tool that restores mtimes) is then found only by a `full` check."""
+        size and time (bit rot, a tool that restores mtimes) is then found only by a `full` check.
+        say: where to report the hashing before it starts (it reads every stale shard whole:
+        minutes for a store of hundreds of GB)."""
         shards = self.manifest["shards"]
         problem = self.manifest_problem()
         if problem:
@@ -512,6 +522,12 @@ class Store:
         cache_path = self.path / "verified.json"
         cache = read_verified(cache_path)
         stale = [s for s in shards if full or cache.get(s["file"]) != self._stamp(s)]
+        if stale and say is not None:
+            size = sum((self.path / s["file"]).stat().st_size for s in stale)
+            say(
+                f"store {self.path}: hashing {len(stale)} of {len(shards)} shards ({size / 1e9:.1f} GB) "
+                "against the manifest" + ("" if full else " (once: verified.json keeps the result)")
+            )
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             found = list(pool.map(self._shard_sha, stale))
         for shard, sha in zip(stale, found):
@@ -614,7 +630,7 @@ def main(argv: list[str]) -> None:
             f"{argv[1]}/manifest.json: no store manifest there (is it a store directory?)"
         )
     if argv[0] == "verify":
-        Store(argv[1]).verify(full=not cached)
+        Store(argv[1]).verify(full=not cached, say=lambda line: print(line, flush=True))
         print(
             f"{argv[1]}: every shard intact"
             + (" (cached hashes trusted)" if cached else " (every shard re-hashed)")

@@ -315,8 +315,10 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, TrainingStates, int]:
     sharding = {"sharded_as": "mtp_train.train", "data_parallel": True} if mode == "online" else {}
     run = resolve_run(cfg.model, device=acc.device, **sharding)
     states = open_states(cfg, run, mode, data, spec.aux_layers)
+    if spec.draft_vocab_size:  # counts every supervised token of the data: seconds per 100M tokens
+        acc.print(f"train: draft vocabulary: the {spec.draft_vocab_size} most frequent supervised tokens…")
     head = build_head(cfg.model, run.target, run.dtype, states)
-    states.check(head.spec, run.target.identity)
+    states.check(head.spec, run.target.identity, acc.print)
     t = prepare_training(acc, head, tc)
     if run.ranks is not None:
         t.dp_rank, t.dp_size = run.ranks.dp_rank, run.ranks.dp_size
@@ -355,8 +357,9 @@ def open_states(cfg: RunConfig, run: Run, mode: str, data, aux_layers: tuple[int
     from mtp_train.precompute import data_hash
 
     refuse_static_fp8(run.quantization, "online training (train.states=online)")
+    say = print if run.ranks is None or run.ranks.main else None
     model = load_target(
-        run.target.dir, run.device, run.dtype, cfg.precompute.compile, run.quantization, run.tp_mesh
+        run.target.dir, run.device, run.dtype, cfg.precompute.compile, run.quantization, run.tp_mesh, say=say
     )
     if run.ranks is not None and run.ranks.main:
         r = run.ranks
@@ -455,6 +458,8 @@ def _train(cfg: RunConfig) -> Path:
     t, run, states, start = set_up(cfg)
     batches = micro_batches(t, states, start, t.acc.device)
     progress = Progress(t.acc, cfg, total_steps=tc.steps, start_step=start)
+    if start < tc.steps:  # the first line comes after log_every steps (on a GPU the first compiles)
+        t.acc.print(f"train: steps {start + 1}-{tc.steps}, a line every {cfg.logging.log_every}")
     hooks = Hooks(cfg, t, run, states.lock)
     dead = DeadHeadWatch(tc)
     for step in range(start, tc.steps):

@@ -5,6 +5,7 @@ rounding, the same manifest; precompute then finds it complete; a killed run res
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -160,7 +161,12 @@ def test_answers_stop_at_a_loop_and_the_store_still_is_precomputes(chatty_target
     from inference_ref.generate import generate
     from inference_ref.target import load_target
 
-    model = load_target(chatty_target)
+    said: list[str] = []
+    model = load_target(chatty_target, say=said.append)
+    (line,) = said  # the load is announced, with the checkpoint's size
+    assert re.fullmatch(
+        rf"loading the target {re.escape(str(chatty_target))} \([\d.]+ GB on disk\) onto cpu", line
+    )
     prompts = [[1, 4093, 198, 260], [1, 4093, 198, 253, 253], [1, 4093]]
     full = generate(model, prompts, 24, [])
     cut = generate(model, prompts, 24, [], stop_repeat=3)

@@ -5,6 +5,7 @@ store stops training until it is repaired and precomputed again."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -482,4 +483,11 @@ def test_a_manifest_missing_a_shard_is_found_and_rebuilt(tiny_target, tmp_path):
     assert repair(store_dir) == ["manifest.json"]
     run_precompute(cfg)
     assert json.loads(path.read_text())["num_samples"] == 16
-    Store(store_dir).verify(full=True)
+    said: list[str] = []
+    Store(store_dir).verify(full=True, say=said.append)  # the hashing is announced, with its size
+    (line,) = said
+    assert re.fullmatch(
+        rf"store {store_dir}: hashing (\d+) of \1 shards \([\d.]+ GB\) against the manifest", line
+    )
+    Store(store_dir).verify(say=said.append)  # cached: nothing hashed, nothing said
+    assert len(said) == 1

@@ -266,6 +266,7 @@ def run_vllm(
         if _kept is None:
             log, start = log_path(), 0
             with open(log, "w") as out:
+                print(f"{PROGRESS}starting vLLM's process (importing vLLM: ~15 s on 2 cores)", flush=True)
                 proc = _spawn([str(request), str(result)], engine, out, tmp)
                 returncode = _follow(proc, log, timeout)
         else:
@@ -322,6 +323,10 @@ class _KeptChild:
     its stdin, a `FINISHED` progress line after each result is written."""
 
     def __init__(self, engine: Engine):
+        print(
+            f"{PROGRESS}starting vLLM's process, kept for later calls (importing vLLM: ~15 s on 2 cores)",
+            flush=True,
+        )
         self.dir = tempfile.TemporaryDirectory(prefix="vllm_engine_kept_")
         self.log = log_path("_kept")
         with open(self.log, "w") as out:
@@ -564,6 +569,11 @@ def child(request_file: str, result_file: str) -> None:
             print(f"{PROGRESS}starting an engine: {what}", flush=True)
             llm = LLM(**llm_kwargs(request["target"], run.head, run.k, engine, run.draft_sampling))
             serving = (run.head, run.k, run.draft_sampling)
+            print(
+                f"{PROGRESS}engine started in {time.perf_counter() - started:.0f} s; {run.name}: decoding "
+                f"{len(prompts)} prompts",
+                flush=True,
+            )
         loaded = time.perf_counter()
         params = [sampling(run, i, request["max_new_tokens"], request["eos"]) for i in range(len(prompts))]
         before = read_counters(llm)

@@ -34,12 +34,15 @@ class Evaluator:
     eos: list[int]
 
     @classmethod
-    def load(cls, run: Run, head_dir: Path, compile: bool = False) -> Evaluator:
+    def load(cls, run: Run, head_dir: Path, compile: bool = False, say=print) -> Evaluator:
         config = read_native_config(head_dir)  # a native or an eagle3/vllm export
         check_head_fits_target(config, run.target.config)  # before loading the target
         check_same_target(run.target.identity, config["target"], f"head {head_dir}")
         refuse_static_fp8(run.quantization, "validation")
-        target = load_target(run.target.dir, run.device, run.dtype, compile, run.quantization, run.tp_mesh)
+        say = say if run.ranks is None or run.ranks.main else None
+        target = load_target(
+            run.target.dir, run.device, run.dtype, compile, run.quantization, run.tp_mesh, say=say
+        )
         tokenizer = AutoTokenizer.from_pretrained(str(run.target.dir))
         eos = eos_ids(target, tokenizer)
         return cls(target, load_draft(head_dir, target), tokenizer, eos)
