@@ -71,7 +71,8 @@ class DuringTraining:
         if self.ev is None:
             say = print if self.rank == 0 else None  # the first validation loads the target
             self.ev = Evaluator.load(self.run, head_dir, vc.compile, say)
-            _, dialogs, _ = target_only_pass(self.ev, self.prompts, vc)
+            label = "validation: the target's answers (once)" if self.rank == 0 else None
+            _, dialogs, _ = target_only_pass(self.ev, self.prompts, vc, label)
             held = holdout_samples(self.cfg, self.ev, head_dir)[self.rank :: self.world]
             self.samples = held or samples_of(self.ev, dialogs, self.tf_limit, self.cfg.data.max_seq_len)
         else:
