@@ -109,7 +109,7 @@ def load_target(
 def _announce(say, path: Path, device, tp: int, quantization: str) -> None:
     if say is None:
         return
-    files = [path] if path.is_file() else set(safetensors_files(path).values())
+    files = [path] if path.suffix == ".gguf" else set(safetensors_files(path).values())
     size = sum(Path(f).stat().st_size for f in files)
     how = (f", {tp}-way tensor parallel" if tp > 1 else "") + (
         f", {quantization}" if quantization != "none" else ""

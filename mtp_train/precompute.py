@@ -103,7 +103,7 @@ def run_precompute(cfg) -> Path:
 
 def _run_precompute(cfg) -> Path:
     ranks = launched_ranks(cfg.model.tp_size)
-    job = prepare(cfg, ranks.dp_rank, ranks.dp_size, ranks.device)
+    job = prepare(cfg, ranks.dp_rank, ranks.dp_size, ranks.device, verbose=ranks.main)
     if job.complete:
         if ranks.main:
             print(f"precompute: {job.store_dir} is already complete")
@@ -123,9 +123,10 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def prepare(cfg, rank: int, world: int, device: torch.device | str = "cpu") -> RankJob:
+def prepare(cfg, rank: int, world: int, device: torch.device | str = "cpu", verbose: bool = False) -> RankJob:
     """Tokenize the data, fix the run's settings, and claim (or re-check) the store directory.
-    `device`: where the forwards run, which `model.dtype=auto` resolves on."""
+    `device`: where the forwards run, which `model.dtype=auto` resolves on; `verbose`: the main
+    rank's, which announces the tokenization."""
     _config.checked(cfg)
     if not cfg.data.train_files:
         raise _config.ConfigError("data.train_files is empty: name the conversation files to precompute")
@@ -133,7 +134,7 @@ def prepare(cfg, rank: int, world: int, device: torch.device | str = "cpu") -> R
 
     target = Target.resolve(cfg.model.target)
     tokenizer = AutoTokenizer.from_pretrained(str(target.dir))
-    if rank == 0:  # the chat template rendered per turn: minutes for a million conversations
+    if verbose:  # the chat template rendered per turn: minutes for a million conversations
         print(f"precompute: tokenizing data.train_files {list(cfg.data.train_files)}", flush=True)
     samples, counts = load_samples(cfg.data, tokenizer)
     if not samples:

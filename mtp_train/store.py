@@ -523,10 +523,10 @@ class Store:
         cache = read_verified(cache_path)
         stale = [s for s in shards if full or cache.get(s["file"]) != self._stamp(s)]
         if stale and say is not None:
-            size = sum((self.path / s["file"]).stat().st_size for s in stale)
+            size = sum(stamp[0] for stamp in map(self._stamp, stale) if stamp)  # a missing one: 0
             say(
                 f"store {self.path}: hashing {len(stale)} of {len(shards)} shards ({size / 1e9:.1f} GB) "
-                "against the manifest" + ("" if full else " (once: verified.json keeps the result)")
+                "against the manifest" + ("" if full else " (once where verified.json can be written)")
             )
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             found = list(pool.map(self._shard_sha, stale))

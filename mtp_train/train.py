@@ -458,8 +458,9 @@ def _train(cfg: RunConfig) -> Path:
     t, run, states, start = set_up(cfg)
     batches = micro_batches(t, states, start, t.acc.device)
     progress = Progress(t.acc, cfg, total_steps=tc.steps, start_step=start)
-    if start < tc.steps:  # the first line comes after log_every steps (on a GPU the first compiles)
-        t.acc.print(f"train: steps {start + 1}-{tc.steps}, a line every {cfg.logging.log_every}")
+    if start < tc.steps:  # step lines come at multiples of log_every (on a GPU the first step compiles)
+        every = cfg.logging.log_every
+        t.acc.print(f"train: steps {start + 1}-{tc.steps}, a line every {every} steps and at the last")
     hooks = Hooks(cfg, t, run, states.lock)
     dead = DeadHeadWatch(tc)
     for step in range(start, tc.steps):

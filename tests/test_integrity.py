@@ -487,7 +487,8 @@ def test_a_manifest_missing_a_shard_is_found_and_rebuilt(tiny_target, tmp_path):
     Store(store_dir).verify(full=True, say=said.append)  # the hashing is announced, with its size
     (line,) = said
     assert re.fullmatch(
-        rf"store {store_dir}: hashing (\d+) of \1 shards \([\d.]+ GB\) against the manifest", line
+        rf"store {re.escape(str(store_dir))}: hashing (\d+) of \1 shards \([\d.]+ GB\) against the manifest",
+        line,
     )
     Store(store_dir).verify(say=said.append)  # cached: nothing hashed, nothing said
     assert len(said) == 1

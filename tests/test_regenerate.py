@@ -226,9 +226,9 @@ def test_compile_option_reaches_the_target_and_is_ignored_on_cpu(
     asked = []
     load = regen.load_target
 
-    def recording_load(path, device, dtype, compile=False, quantization="none", tp_mesh=None):
+    def recording_load(path, device, dtype, compile=False, quantization="none", tp_mesh=None, say=None):
         asked.append(compile)
-        model = load(path, device, dtype, compile, quantization, tp_mesh)
+        model = load(path, device, dtype, compile, quantization, tp_mesh, say=say)
         assert not model.compiled_layers
         return model
 
