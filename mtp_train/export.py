@@ -271,6 +271,9 @@ def export(cfg) -> dict[str, Path]:
     """
     checked(cfg)
     ec = cfg.export
+    # the head and the target's embeddings and lm_head read, each layout built and checked: at
+    # 70B seconds to tens of seconds before the paths are printed
+    print(f"export: {ec.checkpoint} as {', '.join(ec.formats)} under {ec.out_dir}", flush=True)
     return export_layouts(
         ec.checkpoint, cfg.model.target, ec.formats, Path(ec.out_dir), ec.dtype, ec.store_shared
     )

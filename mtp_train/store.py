@@ -55,6 +55,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from mtp_train.target_files import check_same_target
 
@@ -529,7 +530,8 @@ class Store:
                 "against the manifest" + ("" if full else " (once where verified.json can be written)")
             )
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            found = list(pool.map(self._shard_sha, stale))
+            hashed = pool.map(self._shard_sha, stale)
+            found = list(tqdm(hashed, total=len(stale), desc="hashing", unit="shard", disable=say is None))
         for shard, sha in zip(stale, found):
             if sha != shard["sha256"]:
                 raise ValueError(

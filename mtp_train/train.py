@@ -318,7 +318,7 @@ def set_up(cfg: RunConfig) -> tuple[Training, Run, TrainingStates, int]:
     if spec.draft_vocab_size:  # counts every supervised token of the data: seconds per 100M tokens
         acc.print(f"train: draft vocabulary: the {spec.draft_vocab_size} most frequent supervised tokens…")
     head = build_head(cfg.model, run.target, run.dtype, states)
-    states.check(head.spec, run.target.identity, acc.print)
+    states.check(head.spec, run.target.identity, acc.print if acc.is_main_process else None)  # one bar
     t = prepare_training(acc, head, tc)
     if run.ranks is not None:
         t.dp_rank, t.dp_size = run.ranks.dp_rank, run.ranks.dp_size
