@@ -133,19 +133,22 @@ def draft_profiles(cfg, batches, context: int = CONTEXT, repeats: int = 10) -> d
     kernels, totals over `repeats` replays (run 12's projection on an H100: at batch 1 two draft
     steps cost 3.0-3.5x what the verify adds over a decode step; a step reads about 1.56 GB, its
     layer, fc and the lm_head, at 0.59-0.68 ms, 69-79 % of the peak)."""
-    out = {}
-    for b, step in draft_steps(cfg, batches, context):
-        graph = captured(step)
-        profiled = kernel_profile(lambda graph=graph: [graph.replay() for _ in range(repeats)])
-        out[str(b)] = {
-            "step_ms": replay_ms(graph),
-            "gpu_busy_ms": profiled["gpu_busy_ms"] / repeats,
-            "ms_by_kind": {kind: ms / repeats for kind, ms in profiled["ms_by_kind"].items()},
-            "kernels_per_step": profiled["kernel_calls"] / repeats,
-            "top_kernels": profiled["top_kernels"],
-        }
-        del graph
-    return out
+    return {
+        str(b): replayed_profile(captured(step), repeats) for b, step in draft_steps(cfg, batches, context)
+    }
+
+
+def replayed_profile(graph: torch.cuda.CUDAGraph, repeats: int = 10) -> dict:
+    """A captured step replayed `repeats` times: its wall ms, GPU ms per step by kernel kind, the
+    busy total and kernels per step, and the top kernels (their ms totals over the replays)."""
+    profiled = kernel_profile(lambda: [graph.replay() for _ in range(repeats)])
+    return {
+        "step_ms": replay_ms(graph),
+        "gpu_busy_ms": profiled["gpu_busy_ms"] / repeats,
+        "ms_by_kind": {kind: ms / repeats for kind, ms in profiled["ms_by_kind"].items()},
+        "kernels_per_step": profiled["kernel_calls"] / repeats,
+        "top_kernels": profiled["top_kernels"],
+    }
 
 
 PROFILED_NEW_TOKENS = (1, 8)  # a decode step, and the verify of 8 tokens #36 holds against it
@@ -171,19 +174,14 @@ def decode_profiles(model, batches, device_name: str, context: int = CONTEXT, re
             graph = captured(
                 lambda ids=ids, cache=cache: model.logits(model.forward_cached(ids, cache, static=True))
             )
-            profiled = kernel_profile(lambda graph=graph: [graph.replay() for _ in range(repeats)])
-            by_kind = {kind: ms / repeats for kind, ms in profiled["ms_by_kind"].items()}
-            matmul_s = by_kind.get("matmul", 0.0) / 1e3
+            profiled = replayed_profile(graph, repeats)
+            matmul_s = profiled["ms_by_kind"].get("matmul", 0.0) / 1e3
             read_rate = weights / matmul_s if matmul_s else None
             out[str(b)][str(n)] = {
-                "step_ms": replay_ms(graph),
-                "gpu_busy_ms": profiled["gpu_busy_ms"] / repeats,
-                "ms_by_kind": by_kind,
+                **profiled,
                 "linear_weight_bytes": weights,
                 "matmul_read_bytes_per_s": read_rate,
                 "matmul_share_of_peak": read_rate / bandwidth if read_rate and bandwidth else None,
-                "kernels_per_step": profiled["kernel_calls"] / repeats,
-                "top_kernels": profiled["top_kernels"],
             }
             del graph
         del cache

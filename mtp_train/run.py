@@ -53,6 +53,11 @@ class Run:
         return self.ranks.tp_mesh if self.ranks else None
 
     @property
+    def main(self) -> bool:
+        """Whether this process prints for the stage (the first rank of all, or launched alone)."""
+        return self.ranks is None or self.ranks.main
+
+    @property
     def leader(self) -> bool:
         """Whether this process writes the stage's outputs (its tensor-parallel group's first rank)."""
         return self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0

@@ -357,7 +357,7 @@ def open_states(cfg: RunConfig, run: Run, mode: str, data, aux_layers: tuple[int
     from mtp_train.precompute import data_hash
 
     refuse_static_fp8(run.quantization, "online training (train.states=online)")
-    say = print if run.ranks is None or run.ranks.main else None
+    say = print if run.main else None
     model = load_target(
         run.target.dir, run.device, run.dtype, cfg.precompute.compile, run.quantization, run.tp_mesh, say=say
     )

@@ -80,7 +80,7 @@ def run_validation(cfg: RunConfig) -> dict:
     head = load_head(vc.head, run.target).to(device=run.device, dtype=run.dtype)
     held = holdout_samples(cfg, ev, Path(vc.head))
     samples = held or samples_of(ev, base_dialogs, vc.teacher_forced_samples, cfg.data.max_seq_len)
-    if run.ranks is None or run.ranks.main:
+    if run.main:
         print(f"validate: teacher-forced loss on {len(samples)} samples, the trainer's and inference_ref's")
     rounding = store_rounding(cfg, run.device)
     report["teacher_forced"] = teacher_forced(ev, head, samples, rounding, cfg.train.loss_chunk_logits)

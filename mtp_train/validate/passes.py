@@ -39,7 +39,7 @@ class Evaluator:
         check_head_fits_target(config, run.target.config)  # before loading the target
         check_same_target(run.target.identity, config["target"], f"head {head_dir}")
         refuse_static_fp8(run.quantization, "validation")
-        say = say if run.ranks is None or run.ranks.main else None
+        say = say if run.main else None
         target = load_target(
             run.target.dir, run.device, run.dtype, compile, run.quantization, run.tp_mesh, say=say
         )
