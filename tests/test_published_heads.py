@@ -37,7 +37,8 @@ def test_published_files_are_the_cards(name):
 @pytest.fixture(scope="module")
 def served(smollm2):
     """Our loop and vLLM on every published head: the first turns of the cards' MT-bench questions,
-    one vLLM child process for all the heads (one engine each: its start-up is most of the cost)."""
+    one vLLM child process for all the heads (one engine each: its start-up is most of the cost),
+    serving them while our loop runs."""
     checks = {name: head["cpu_check"] for name, head in CARD["heads"].items()}
     prompts, new = {c["prompts"] for c in checks.values()}, {c["max_new_tokens"] for c in checks.values()}
     assert len(prompts) == len(new) == 1, "the cards' checks share their prompts and lengths"
@@ -47,17 +48,24 @@ def served(smollm2):
     target = load_target(smollm2, "cpu", torch.float32)
     eos = eos_ids(target, tokenizer)
     new = new.pop()
-    ours = {
-        name: speculative_generate(
-            target, load_draft(PUBLISHED / CARD["heads"][name]["dir"], target), ids, new, eos, Chain(c["k"])
-        ).stats
-        for name, c in checks.items()
-    }
     runs = [  # the published files, as they are
         vllm_engine.Run(name, head=str(PUBLISHED / CARD["heads"][name]["dir"]), k=c["k"])
         for name, c in checks.items()
     ]
-    return ours, vllm_engine.run_vllm(smollm2, ids, new, eos, runs)
+    engine = vllm_engine.start_vllm(smollm2, ids, new, eos, runs)  # vLLM serves while our loop runs
+    with vllm_engine.leave_a_core():
+        ours = {
+            name: speculative_generate(
+                target,
+                load_draft(PUBLISHED / CARD["heads"][name]["dir"], target),
+                ids,
+                new,
+                eos,
+                Chain(c["k"]),
+            ).stats
+            for name, c in checks.items()
+        }
+    return ours, engine.result()
 
 
 @pytest.mark.skipif(find_spec("vllm") is None, reason=f"vLLM is not installed: {vllm_engine.INSTALL}")

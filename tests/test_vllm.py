@@ -13,8 +13,9 @@ The heads are trained a few steps on the target's own greedy answers to the very
 (inference_ref's, which vLLM's target alone must equal): the point is non-trivial counts at every
 chain position, so that the comparison means something, not a head that generalizes. Each head
 has a draft vocabulary, so `d2t` is exercised in every class. One child process
-(`mtp_train.serving.vllm_engine`) runs the target alone and then each head, one engine each; the
-tests share it. Further down: validation through vLLM (`validate.engine=vllm`), the serve entry
+(`mtp_train.serving.vllm_engine`) runs the target alone and then each head, one engine each, asked
+for each run as soon as its head is exported (`start_vllm`): vLLM serves while the next head
+trains. The tests share it. Further down: validation through vLLM (`validate.engine=vllm`), the serve entry
 point, refusals before any engine starts, and a tiny Qwen3 target.
 """
 
@@ -40,7 +41,15 @@ from mtp_train.export import ENGINE_WEIGHTS, head_tensors, load_head, write_file
 from mtp_train.layer_names import check_layout
 from mtp_train.serving import vllm_engine
 from mtp_train.serving.layouts import vllm_export
-from mtp_train.serving.vllm_engine import CannotServe, Run, VLLMMissing, expected_draft_params, run_vllm
+from mtp_train.serving.vllm_engine import (
+    CannotServe,
+    Run,
+    VLLMMissing,
+    expected_draft_params,
+    leave_a_core,
+    run_vllm,
+    start_vllm,
+)
 from mtp_train.serving.vllm_plugin import ARCHITECTURES, METHODS
 from mtp_train.target_files import target_identity
 from mtp_train.validate.engine import check_engine
@@ -140,25 +149,34 @@ def served(smollm2, tmp_path_factory):
     from mtp_train.precompute import run_precompute
     from mtp_train.train import train
 
+    # vLLM serves each run as soon as it is asked (one engine each, in the kept child, in turn) while
+    # the next head trains: the target alone first.
     started = time.perf_counter()
-    run_precompute(pipeline_config(base, "eagle3", conversations))
-    heads, ours, runs = {}, {}, [Run("target")]
-    for kind in KINDS:
-        heads[kind] = Path(train(pipeline_config(base, kind, conversations, *KIND_SETTINGS.get(kind, ()))))
-        out = speculative_generate(target, load_draft(heads[kind], target), ids, MAX_NEW, eos, Chain(K))
-        ours[kind] = {"tried": out.stats.tried, "accepted": out.stats.accepted, "tokens": out.tokens}
-        exported = export_vllm(heads[kind], smollm2, base / "export" / kind)
-        runs.append(Run(kind, head=str(exported), k=K, dump_draft=str(base / "dump" / kind)))
-    wrong = export_vllm(heads["rmsnorm-restored"], smollm2, base / "export" / WRONG, swap_fc_halves=True)
-    runs.append(Run(WRONG, head=str(wrong), k=K))
+    pending = [start_vllm(smollm2, ids, MAX_NEW, eos, [Run("target")])]
+    with leave_a_core():
+        run_precompute(pipeline_config(base, "eagle3", conversations))
+        heads, ours, runs = {}, {}, [Run("target")]
+        for kind in KINDS:
+            config = pipeline_config(base, kind, conversations, *KIND_SETTINGS.get(kind, ()))
+            heads[kind] = Path(train(config))
+            out = speculative_generate(target, load_draft(heads[kind], target), ids, MAX_NEW, eos, Chain(K))
+            ours[kind] = {"tried": out.stats.tried, "accepted": out.stats.accepted, "tokens": out.tokens}
+            exported = export_vllm(heads[kind], smollm2, base / "export" / kind)
+            runs.append(Run(kind, head=str(exported), k=K, dump_draft=str(base / "dump" / kind)))
+            pending.append(start_vllm(smollm2, ids, MAX_NEW, eos, runs[-1:]))
+        wrong = export_vllm(heads["rmsnorm-restored"], smollm2, base / "export" / WRONG, swap_fc_halves=True)
+        runs.append(Run(WRONG, head=str(wrong), k=K))
+        pending.append(start_vllm(smollm2, ids, MAX_NEW, eos, runs[-1:]))
     print(
         f"precompute, train, our loop and export of {len(KINDS)} heads: {time.perf_counter() - started:.0f} s"
     )
 
-    # 3. vLLM: the target alone, then with each head (one child process, one engine each).
+    # 3. vLLM's results: the target alone, then each head (one engine each).
     started = time.perf_counter()
-    engine = run_vllm(smollm2, ids, MAX_NEW, eos, runs)
-    print(f"vLLM, {len(runs)} engines: {time.perf_counter() - started:.0f} s")
+    engine = {}
+    for request in pending:
+        engine.update(request.result())
+    print(f"vLLM, {len(runs)} engines: {time.perf_counter() - started:.0f} s more")
     alone = engine["target"]
     summary = {
         name: {
@@ -410,14 +428,17 @@ def served_qwen3(smollm2, tmp_path_factory):
     save_file(weights, str(target_dir / "model.safetensors"), metadata={"format": "pt"})
     target, ids, eos, answers, conversations = answered(target_dir, base)
     qwen3 = (f"model.target={target_dir}", "model.name=tiny_qwen3")
-    run_precompute(pipeline_config(base, "eagle3", conversations, *qwen3))
-    ours, runs = {}, [Run("target")]
-    for kind in QWEN3_KINDS:
-        head = Path(train(pipeline_config(base, kind, conversations, *qwen3)))
-        out = speculative_generate(target, load_draft(head, target), ids, MAX_NEW, eos, Chain(K))
-        ours[kind] = {"tried": out.stats.tried, "accepted": out.stats.accepted, "tokens": out.tokens}
-        runs.append(Run(kind, head=str(export_vllm(head, target_dir, base / "export" / kind)), k=K))
-    engine = run_vllm(target_dir, ids, MAX_NEW, eos, runs)
+    pending = [start_vllm(target_dir, ids, MAX_NEW, eos, [Run("target")])]  # served while the heads train
+    with leave_a_core():
+        run_precompute(pipeline_config(base, "eagle3", conversations, *qwen3))
+        ours = {}
+        for kind in QWEN3_KINDS:
+            head = Path(train(pipeline_config(base, kind, conversations, *qwen3)))
+            out = speculative_generate(target, load_draft(head, target), ids, MAX_NEW, eos, Chain(K))
+            ours[kind] = {"tried": out.stats.tried, "accepted": out.stats.accepted, "tokens": out.tokens}
+            run = Run(kind, head=str(export_vllm(head, target_dir, base / "export" / kind)), k=K)
+            pending.append(start_vllm(target_dir, ids, MAX_NEW, eos, [run]))
+    engine = {name: r for request in pending for name, r in request.result().items()}
     print(
         "\nvLLM on a Qwen3 target:",
         json.dumps(

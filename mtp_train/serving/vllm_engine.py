@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -243,44 +244,100 @@ def run_vllm(
 ) -> dict:
     """Check, then run each of `runs` in one child process; returns {run name: result} (see the
     module docstring) plus "vllm_version". The child's log is kept in the result's "log" file."""
+    return start_vllm(target_dir, prompts, max_new_tokens, eos, runs, engine, timeout).result()
+
+
+def start_vllm(
+    target_dir: str | Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos: list[int],
+    runs: list[Run],
+    engine: Engine | None = None,
+    timeout: float = 1800,
+) -> Pending:
+    """`run_vllm`'s checks, then its request handed to the child, which serves it while the caller
+    goes on (vLLM's CPU worker keeps one thread: on a CPU our loop or training can take the other
+    cores meanwhile); `.result()` waits for it. A kept child serves its requests in turn."""
     check_vllm()
     engine = engine or Engine()
     for run in runs:
         if run.head is not None:
             head_method(run.head)
             check_head_fits_target(run.head, target_dir)
-    with tempfile.TemporaryDirectory(prefix="vllm_engine_") as tmp:
-        request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        request.write_text(
-            json.dumps(
-                {
-                    "target": str(target_dir),
-                    "prompts": prompts,
-                    "max_new_tokens": max_new_tokens,
-                    "eos": list(eos),
-                    "runs": [asdict(r) for r in runs],
-                    "engine": asdict(engine),
-                }
-            )
+    tmp = tempfile.TemporaryDirectory(prefix="vllm_engine_")
+    request, result = Path(tmp.name) / "request.json", Path(tmp.name) / "result.json"
+    request.write_text(
+        json.dumps(
+            {
+                "target": str(target_dir),
+                "prompts": prompts,
+                "max_new_tokens": max_new_tokens,
+                "eos": list(eos),
+                "runs": [asdict(r) for r in runs],
+                "engine": asdict(engine),
+            }
         )
-        if _kept is None:
-            log, start = log_path(), 0
-            with open(log, "w") as out:
-                print(f"{PROGRESS}starting vLLM's process (importing vLLM: ~15 s on 2 cores)", flush=True)
-                proc = _spawn([str(request), str(result)], engine, out, tmp)
-                returncode = _follow(proc, log, timeout)
-        else:
-            child = _kept_child(engine)
-            log, start = child.log, child.log.stat().st_size  # this call's lines only
-            returncode = child.run(request, result, timeout, start)
-        if returncode != 0 or not result.exists():
-            with open(log, errors="replace") as reader:
-                reader.seek(start)  # this call's lines; a child dead before it was asked: all
-                tail = reader.read()[-4000:] or log.read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"vLLM child failed (exit {returncode}); log {log}:\n{tail}")
-        answer = json.loads(result.read_text())
-    answer["log"] = str(log)
-    return answer
+    )
+    if _kept is None:
+        log = log_path()
+        with open(log, "w") as out:
+            print(f"{PROGRESS}starting vLLM's process (importing vLLM: ~15 s on 2 cores)", flush=True)
+            proc = _spawn([str(request), str(result)], engine, out, tmp.name)
+        return Pending(tmp, result, log, timeout, proc=proc)
+    child = _kept_child(engine)
+    start = child.log.stat().st_size  # this request's lines come after
+    return Pending(
+        tmp, result, child.log, timeout, start=start, child=child, asked=child.ask(request, result)
+    )
+
+
+class Pending:
+    """A `start_vllm` request being served: `result()` waits for it, printing its progress lines."""
+
+    def __init__(self, tmp, result: Path, log: Path, timeout: float, start: int = 0, **child):
+        self.tmp, self.result_file, self.log, self.timeout, self.start = tmp, result, log, timeout, start
+        self.proc: subprocess.Popen | None = child.get("proc")
+        self.child: _KeptChild | None = child.get("child")
+        self.asked: bool = child.get("asked", True)
+        self.answer: dict | None = None
+
+    def result(self) -> dict:
+        if self.answer is not None:
+            return self.answer
+        try:
+            if self.child is None:
+                returncode = _follow(self.proc, self.log, self.timeout)
+            elif self.asked:
+                returncode = self.child.wait_for(self.result_file, self.timeout, self.start)
+            else:  # it had died since it was last asked: the log says why
+                returncode = self.child.proc.wait() or -1
+            if returncode != 0 or not self.result_file.exists():
+                with open(self.log, errors="replace") as reader:
+                    reader.seek(self.start)  # from this request on; a child dead before it was asked: all
+                    tail = reader.read()[-4000:] or self.log.read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"vLLM child failed (exit {returncode}); log {self.log}:\n{tail}")
+            self.answer = json.loads(self.result_file.read_text())
+        finally:
+            self.tmp.cleanup()
+        self.answer["log"] = str(self.log)
+        return self.answer
+
+
+@contextmanager
+def leave_a_core():
+    """On a CPU, while `start_vllm`'s requests are served: torch's threads one fewer in this process.
+    vLLM's CPU worker keeps one thread, bound to a core; torch's parallel regions wait for their
+    slowest thread, so that with every core taken they would all run at the shared core's pace
+    (on 2 cores the tests' training beside vLLM took longer than the two one after the other)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads - 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def log_path(kind: str = "") -> Path:
@@ -332,14 +389,22 @@ class _KeptChild:
         with open(self.log, "w") as out:
             self.proc = _spawn(["--serve"], engine, out, self.dir.name, stdin=subprocess.PIPE, text=True)
 
-    def run(self, request: Path, result: Path, timeout: float, start: int) -> int:
-        """Ask for one request; its lines start at byte `start` of the log."""
+    def ask(self, request: Path, result: Path) -> bool:
+        """Queue one request; False if the child has died since it was last asked."""
         try:
             self.proc.stdin.write(f"{request}\t{result}\n")
             self.proc.stdin.flush()
-        except BrokenPipeError:  # it died since it was last asked: the log says why
-            return self.proc.wait() or -1
-        return _follow(self.proc, self.log, timeout, until=f"{FINISHED}{result}", start=start)
+        except BrokenPipeError:
+            return False
+        return True
+
+    def wait_for(self, result: Path, timeout: float, start: int) -> int:
+        """Wait for the request whose result goes to `result`, asked when the log was `start` bytes
+        long: its lines begin at the child's `STARTED` line for it (an earlier request's, still
+        being served when it was asked, are theirs to print)."""
+        return _follow(
+            self.proc, self.log, timeout, until=f"{FINISHED}{result}", start=start, after=f"{STARTED}{result}"
+        )
 
     def close(self) -> None:
         try:
@@ -369,23 +434,30 @@ PROGRESS = "[vllm] "
 """The child's progress lines (engine started, run done), echoed by the parent as they come."""
 FINISHED = PROGRESS + "finished "
 """A kept child's line after each request's result is written (followed by the result's path)."""
+STARTED = "[vllm request] "
+"""A kept child's line before it serves a request (followed by the result's path; not echoed)."""
 
 
 def _follow(
-    proc: subprocess.Popen, log: Path, timeout: float, until: str | None = None, start: int = 0
+    proc: subprocess.Popen,
+    log: Path,
+    timeout: float,
+    until: str | None = None,
+    start: int = 0,
+    after: str | None = None,
 ) -> int:
     """Wait for the child (or, with `until`, for that line from it: 0), printing its progress lines
-    from byte `start` of its log on; kill it past `timeout` seconds."""
-    deadline, partial = time.monotonic() + timeout, ""
+    from byte `start` of its log on (with `after`, those after that line only); kill it past
+    `timeout` seconds."""
+    deadline, partial, returncode = time.monotonic() + timeout, "", None
     with open(log, errors="replace") as reader:  # read on from where it was: the log grows long
         reader.seek(start)
         while True:
-            try:
-                returncode = proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                returncode = None
             *lines, partial = (partial + reader.read()).split("\n")  # a line being written waits
             for line in lines:
+                if after is not None:  # an earlier request's line
+                    after = None if line.endswith(after) else after
+                    continue
                 if until is not None and line.endswith(until):  # (after a progress bar's "\r")
                     return 0
                 if line.startswith(PROGRESS):
@@ -398,6 +470,10 @@ def _follow(
                 proc.kill()
                 proc.wait()
                 return -9
+            try:  # then read what it wrote meanwhile, all of it once it has exited
+                returncode = proc.wait(timeout=0.25)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def child_env(engine: Engine) -> dict:
@@ -614,6 +690,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "--serve":  # kept between calls (`keep_child`): one request per line
         for line in sys.stdin:
             request_file, result_file = line.rstrip("\n").split("\t")
+            print(f"{STARTED}{result_file}", flush=True)
             child(request_file, result_file)
             print(f"{FINISHED}{result_file}", flush=True)
     else:
