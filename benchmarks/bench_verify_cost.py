@@ -100,19 +100,27 @@ def verify_costs(model, batches, new_tokens, context: int = CONTEXT) -> dict[str
     return out
 
 
+EAGLE3_DRAFT_VOCAB = 32000
+"""eagle3's draft vocabulary on targets of >= 100k tokens (`model.draft_vocab_size`'s default), whose
+draft step `draft_step_ms_by_vocab` measures beside the whole vocabulary's."""
+
+
 @torch.inference_mode()
-def draft_steps(cfg, batches, context: int = CONTEXT):
+def draft_steps(cfg, batches, context: int = CONTEXT, vocab: int | None = None, fc_inputs: int = 2):
     """Per batch, (batch, one draft step): a one-layer model of the target's layer shape (its layer,
-    the shared embedding, final norm and lm_head) plus the head's fc (2H → H), one token per row."""
+    an embedding, final norm and an lm_head of `vocab` rows: None, the target's) plus the head's fc
+    (fc_inputs·H → H: 2 for the restored and EAGLE-1 heads, 3 for EAGLE-3's three layers), one token
+    per row."""
+    vocab = vocab or cfg.vocab_size
     layer = TARGET_KINDS[cfg.model_type].random(
-        type(cfg)(**{**cfg.__dict__, "num_hidden_layers": 1}), DEVICE, DTYPE, 0
+        type(cfg)(**{**cfg.__dict__, "num_hidden_layers": 1, "vocab_size": vocab}), DEVICE, DTYPE, 0
     )
-    fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False, device=DEVICE, dtype=DTYPE)
+    fc = torch.nn.Linear(fc_inputs * cfg.hidden_size, cfg.hidden_size, bias=False, device=DEVICE, dtype=DTYPE)
     for b in batches:
         cache = layer.new_cache(b, context + 8)
         cache.lengths.fill_(context)
-        ids = torch.randint(0, cfg.vocab_size, (b, 1), device=DEVICE)
-        state = torch.randn(b, 1, 2 * cfg.hidden_size, device=DEVICE, dtype=DTYPE)
+        ids = torch.randint(0, vocab, (b, 1), device=DEVICE)
+        state = torch.randn(b, 1, fc_inputs * cfg.hidden_size, device=DEVICE, dtype=DTYPE)
 
         def step(ids=ids, cache=cache, state=state):
             fc(state)
@@ -122,9 +130,9 @@ def draft_steps(cfg, batches, context: int = CONTEXT):
 
 
 @torch.inference_mode()
-def draft_costs(cfg, batches, context: int = CONTEXT) -> dict[str, float]:
-    """ms of one replayed draft step per batch (`draft_steps`)."""
-    return {str(b): graphed(step) for b, step in draft_steps(cfg, batches, context)}
+def draft_costs(cfg, batches, context: int = CONTEXT, **head) -> dict[str, float]:
+    """ms of one replayed draft step per batch (`draft_steps`; `head`: its vocab and fc_inputs)."""
+    return {str(b): graphed(step) for b, step in draft_steps(cfg, batches, context, **head)}
 
 
 @torch.inference_mode()
@@ -374,6 +382,15 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             "verify_ms": verify,
             "verify_ms_measured": {str(d): m for d, m in measured.items()} if len(depths) == 2 else None,
             "draft_step_ms": draft_costs(cfg, args.batches, args.context),
+            # an eagle3 head's step, where its draft vocabulary is the smaller (measured with its
+            # 3H fc): its lm_head is two thirds of a whole-vocabulary step at 8B (run 13's profile)
+            "draft_step_ms_by_vocab": {
+                str(EAGLE3_DRAFT_VOCAB): draft_costs(
+                    cfg, args.batches, args.context, vocab=EAGLE3_DRAFT_VOCAB, fc_inputs=3
+                )
+            }
+            if cfg.vocab_size > EAGLE3_DRAFT_VOCAB
+            else {},
             "peak_bandwidth_bytes_per_s": peak_bandwidth(device_name),
             "decode_read": decode_read_limits(cfg, verify, device_name, args.context),
             "decode_profile": profiles,

@@ -42,21 +42,34 @@ def tau(rates: list[float], k: int) -> float:
 
 
 def speedup(
-    rates: list[float], k: int, costs: dict, batch: str, passes: int | None = None, layers: int = 1
+    rates: list[float],
+    k: int,
+    costs: dict,
+    batch: str,
+    passes: int | None = None,
+    layers: int = 1,
+    vocab: int | None = None,
 ) -> float:
-    """`passes`: draft forwards per verify (None: k, a chained head's), of `layers` layers each."""
+    """`passes`: draft forwards per verify (None: k, a chained head's), of `layers` layers each;
+    `vocab`: the head's draft vocabulary (None: the target's)."""
     verify = costs["verify_ms"][batch]
-    step = verify[str(k + 1)] + draft_ms(costs, batch, k if passes is None else passes, layers)
+    step = verify[str(k + 1)] + draft_ms(costs, batch, k if passes is None else passes, layers, vocab)
     return tau(rates, k) * verify["1"] / step
 
 
-def draft_ms(costs: dict, batch: str, forwards: int, layers: int = 1) -> float:
+def draft_ms(costs: dict, batch: str, forwards: int, layers: int = 1, vocab: int | None = None) -> float:
     """`forwards` draft forwards of `layers` decoder layers each: the measured draft step (fc, one
     layer, the lm_head), plus each further layer at the target's per-layer cost."""
-    step = costs["draft_step_ms"][batch]
+    step = draft_step_ms(costs, batch, vocab)
     if layers > 1:
         step += (layers - 1) * layer_ms(costs, batch)
     return forwards * step
+
+
+def draft_step_ms(costs: dict, batch: str, vocab: int | None = None) -> float:
+    """One draft step: with an lm_head of the head's draft vocabulary where the costs measured one of
+    that size (`draft_step_ms_by_vocab`, eagle3's 32,000 rows), else the whole vocabulary's."""
+    return costs.get("draft_step_ms_by_vocab", {}).get(str(vocab), costs["draft_step_ms"])[batch]
 
 
 def layer_ms(costs: dict, batch: str) -> float:
@@ -82,10 +95,10 @@ def verify_ms(costs: dict, batch: str, tokens: int) -> float:
     return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
 
 
-def tree_speedup(run: dict, costs: dict, batch: str, layers: int = 1) -> float:
+def tree_speedup(run: dict, costs: dict, batch: str, layers: int = 1, vocab: int | None = None) -> float:
     """A greedy tree's measured τ against one verify of its nodes + 1 tokens and `depth` draft
     forwards of `layers` layers each."""
-    step = verify_ms(costs, batch, run["verify_tokens"]) + draft_ms(costs, batch, run["depth"], layers)
+    step = verify_ms(costs, batch, run["verify_tokens"]) + draft_ms(costs, batch, run["depth"], layers, vocab)
     return run["mean_accepted_len"] * costs["verify_ms"][batch]["1"] / step
 
 
@@ -111,18 +124,19 @@ def project(report: dict, costs: dict) -> dict:
     longest = longest_chain(report)
     rates = longest["accept_rate"]
     layers = draft_shape(longest, 1)[1]  # a stacked head's, per draft step (a tree's too)
+    vocab = longest.get("draft_vocab_size")  # reports from before the field: the whole vocabulary
     measured = next(iter(costs["verify_ms"].values()))  # the new-token counts, alike for every batch
     chains = [k for k in range(1, len(rates) + 1) if str(k + 1) in measured]
     trees = {n: r for n, r in report["speculative"]["greedy"].items() if r.get("draft") == "tree"}
     table = {
-        b: {k: speedup(rates, k, costs, b, *draft_shape(longest, k)) for k in chains}
+        b: {k: speedup(rates, k, costs, b, *draft_shape(longest, k), vocab) for k in chains}
         for b in costs["verify_ms"]
     }
     best = {b: max(row, key=row.get) for b, row in table.items()}
     drafts = {
         b: {
             **{f"k={k}": v for k, v in row.items()},
-            **{n: tree_speedup(r, costs, b, layers) for n, r in trees.items()},
+            **{n: tree_speedup(r, costs, b, layers, vocab) for n, r in trees.items()},
         }
         for b, row in table.items()
     }
@@ -130,6 +144,7 @@ def project(report: dict, costs: dict) -> dict:
     return {
         "shape": costs["shape"],
         "speedup": {b: {name: round(v, 3) for name, v in row.items()} for b, row in drafts.items()},
+        "draft_step_ms": {b: draft_step_ms(costs, b, vocab) for b in costs["verify_ms"]},
         "best_k": {b: f"k={k} ({table[b][k]:.2f}×)" for b, k in best.items()},
         "best": {b: f"{name} ({drafts[b][name]:.2f}×)" for b, name in overall.items()},
     }
@@ -146,7 +161,9 @@ def check(report: dict, costs: dict) -> dict | None:
         k = len(run["accept_rate"])
         if not run.get("cuda_graph") or str(k + 1) not in costs["verify_ms"][batch]:
             continue
-        projected = speedup(run["accept_rate"], k, costs, batch, *draft_shape(run, k))
+        projected = speedup(
+            run["accept_rate"], k, costs, batch, *draft_shape(run, k), run.get("draft_vocab_size")
+        )
         measured = run["speedup_vs_target_only"]
         out[name] = {"projected": projected, "measured": measured, "error": projected / measured - 1}
     return out or None

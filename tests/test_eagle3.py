@@ -375,7 +375,9 @@ def test_a_stacked_eagle3_1_head_trains_serves_as_trained_and_round_trips(pipeli
     train(cfg)
     report = run_validation(cfg)
     assert_serves_as_trained(report, k=2)
-    assert report["speculative"]["greedy"]["k=2"]["draft_layer_passes"] == 4  # two steps, two layers each
+    chain = report["speculative"]["greedy"]["k=2"]
+    assert chain["draft_layer_passes"] == 4  # two steps, two layers each
+    assert chain["draft_vocab_size"] == DRAFT_VOCAB  # what mtp_train.projection costs its lm_head by
     exported = export(cfg)
     native = load_file(str(exported["native"] / "head.safetensors"))
     later = {n for n in native if n.startswith("later_layers.")}

@@ -97,3 +97,19 @@ def test_a_stacked_head_pays_its_extra_layers_at_the_targets_layer_cost():
         project(
             {"speculative": {"greedy": {"k=4": stacked}}}, {k: v for k, v in COSTS.items() if k != "layers"}
         )
+
+
+def test_a_draft_vocabulary_is_costed_by_its_own_draft_step_where_measured():
+    """An eagle3 head of 32,000 draft tokens: its draft step is the costs' for that vocabulary
+    (0.2 ms instead of 0.5); a vocabulary the costs did not measure, the whole one's."""
+    costs = {**COSTS, "draft_step_ms_by_vocab": {"32000": {"4": 0.2}}}
+    run = {"accept_rate": [0.5, 0.5], "draft_vocab_size": 32000}
+    figures = project({"speculative": {"greedy": {"k=2": run}}}, costs)
+    assert figures["speedup"]["4"]["k=2"] == pytest.approx(round(1.75 * 10 / 12.4, 3))
+    assert figures["draft_step_ms"] == {"4": 0.2}
+    whole = project({"speculative": {"greedy": {"k=2": {**run, "draft_vocab_size": 49152}}}}, costs)
+    assert whole["speedup"]["4"]["k=2"] == pytest.approx(round(1.75 * 10 / 13, 3))
+    measured = {**run, "cuda_graph": True, "speedup_vs_target_only": 1.0}
+    assert check({"batch_size": 4, "speculative": {"greedy": {"k=2": measured}}}, costs)["k=2"][
+        "projected"
+    ] == pytest.approx(1.75 * 10 / 12.4)

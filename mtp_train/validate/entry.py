@@ -69,6 +69,7 @@ def run_validation(cfg: RunConfig) -> dict:
             if isinstance(shape, Chain):  # what a step's drafting costs, for `mtp_train.projection`
                 figures["draft_layer_passes"] = ev.draft.layer_passes(shape.k)
                 figures["block_drafter"] = not ev.draft.chains
+                figures["draft_vocab_size"] = ev.draft.spec.vocab  # its lm_head's rows
             if ssd and ssd.saguaro_factor != 1.0:
                 figures["saguaro"] = {"factor": ssd.saguaro_factor, "fan_out": ssd.saguaro_fan_out}
             if temperature == 0:
