@@ -39,6 +39,7 @@ from benchmarks.common import (
     write_result,
 )
 from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
+from inference_ref.head_spec import DRAFT_VOCAB, HEAD_KINDS
 from inference_ref.models import TARGET_KINDS
 from inference_ref.skinny_linear import LINEAR_KERNELS, load_block_shapes, tuned_configs, use_linear_kernel
 from inference_ref.triton_support import use_pdl
@@ -98,11 +99,6 @@ def verify_costs(model, batches, new_tokens, context: int = CONTEXT) -> dict[str
         del cache
         torch.cuda.empty_cache()
     return out
-
-
-EAGLE3_DRAFT_VOCAB = 32000
-"""eagle3's draft vocabulary on targets of >= 100k tokens (`model.draft_vocab_size`'s default), whose
-draft step `draft_step_ms_by_vocab` measures beside the whole vocabulary's."""
 
 
 @torch.inference_mode()
@@ -382,14 +378,13 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             "verify_ms": verify,
             "verify_ms_measured": {str(d): m for d, m in measured.items()} if len(depths) == 2 else None,
             "draft_step_ms": draft_costs(cfg, args.batches, args.context),
-            # an eagle3 head's step, where its draft vocabulary is the smaller (measured with its
-            # 3H fc): its lm_head is two thirds of a whole-vocabulary step at 8B (run 13's profile)
+            # an eagle3 head's step where it has a draft vocabulary (32,000 rows on targets of
+            # >= 100k tokens, `model.draft_vocab_size`'s default; measured with its 3H fc): the
+            # whole vocabulary's lm_head is 61 % of a batch-1 draft step at 8B (run 13's profile)
             "draft_step_ms_by_vocab": {
-                str(EAGLE3_DRAFT_VOCAB): draft_costs(
-                    cfg, args.batches, args.context, vocab=EAGLE3_DRAFT_VOCAB, fc_inputs=3
-                )
+                str(DRAFT_VOCAB): draft_costs(cfg, args.batches, args.context, vocab=DRAFT_VOCAB, fc_inputs=3)
             }
-            if cfg.vocab_size > EAGLE3_DRAFT_VOCAB
+            if HEAD_KINDS["eagle3"].default_draft_vocab(cfg.vocab_size)
             else {},
             "peak_bandwidth_bytes_per_s": peak_bandwidth(device_name),
             "decode_read": decode_read_limits(cfg, verify, device_name, args.context),

@@ -15,6 +15,11 @@ returns per run: vLLM's own counters (`vllm:spec_decode_num_drafts`,
 `vllm:spec_decode_num_accepted_tokens_per_pos`: deltas over the run), the new tokens per prompt,
 and, with `dump_draft`, the draft model's parameters as vLLM holds them after loading.
 
+`start_vllm` is `run_vllm` without the wait: it returns a `Pending` at once, and its `result()`
+waits. With `keep_child()` one child is kept between calls (vLLM imported once) and serves the
+requests it is handed in turn, each between its STARTED and FINISHED lines in the child's log; a
+request that fails there fails alone.
+
 `llm_kwargs` / `serve_command` are the `vllm.LLM(...)` arguments and the equivalent `vllm serve`
 command line for a target and a head: the speculative method follows from the export
 (`vllm_plugin.METHODS`). Our loop counts `tried[j]` per position; vLLM counts drafts, and
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
@@ -257,8 +263,8 @@ def start_vllm(
     timeout: float = 1800,
 ) -> Pending:
     """`run_vllm`'s checks, then its request handed to the child, which serves it while the caller
-    goes on (vLLM's CPU worker keeps one thread: on a CPU our loop or training can take the other
-    cores meanwhile); `.result()` waits for it. A kept child serves its requests in turn."""
+    goes on (on a CPU see `leave_a_core`); `.result()` waits for it. A kept child serves its
+    requests in turn, each request's `timeout` counted from when its turn comes."""
     check_vllm()
     engine = engine or Engine()
     for run in runs:
@@ -288,18 +294,31 @@ def start_vllm(
     child = _kept_child(engine)
     start = child.log.stat().st_size  # this request's lines come after
     return Pending(
-        tmp, result, child.log, timeout, start=start, child=child, asked=child.ask(request, result)
+        tmp, result, child.log, timeout, child=child, start=start, asked=child.ask(request, result)
     )
 
 
 class Pending:
-    """A `start_vllm` request being served: `result()` waits for it, printing its progress lines."""
+    """A `start_vllm` request being served: `result()` waits for it, printing its progress lines.
+    Its temporary directory (the request, the result) lives until then: a kept child that finds
+    it gone fails that request only."""
 
-    def __init__(self, tmp, result: Path, log: Path, timeout: float, start: int = 0, **child):
-        self.tmp, self.result_file, self.log, self.timeout, self.start = tmp, result, log, timeout, start
-        self.proc: subprocess.Popen | None = child.get("proc")
-        self.child: _KeptChild | None = child.get("child")
-        self.asked: bool = child.get("asked", True)
+    def __init__(
+        self,
+        tmp: tempfile.TemporaryDirectory,
+        result: Path,
+        log: Path,
+        timeout: float,
+        *,
+        proc: subprocess.Popen | None = None,
+        child: _KeptChild | None = None,
+        start: int = 0,
+        asked: bool = True,
+    ):
+        """`proc`: a child of its own; or `child`, kept, asked (`asked`: False if it had died)
+        when its log was `start` bytes long."""
+        self.tmp, self.result_file, self.log, self.timeout = tmp, result, log, timeout
+        self.proc, self.child, self.start, self.asked = proc, child, start, asked
         self.answer: dict | None = None
 
     def result(self) -> dict:
@@ -313,23 +332,38 @@ class Pending:
             else:  # it had died since it was last asked: the log says why
                 returncode = self.child.proc.wait() or -1
             if returncode != 0 or not self.result_file.exists():
-                with open(self.log, errors="replace") as reader:
-                    reader.seek(self.start)  # from this request on; a child dead before it was asked: all
-                    tail = reader.read()[-4000:] or self.log.read_text(errors="replace")[-4000:]
-                raise RuntimeError(f"vLLM child failed (exit {returncode}); log {self.log}:\n{tail}")
+                raise RuntimeError(self.failure(returncode))
             self.answer = json.loads(self.result_file.read_text())
         finally:
             self.tmp.cleanup()
         self.answer["log"] = str(self.log)
         return self.answer
 
+    def failure(self, returncode: int) -> str:
+        """What went wrong, with the log's tail from this request on (a child dead before it was
+        asked: all of it)."""
+        with open(self.log, errors="replace") as reader:
+            reader.seek(self.start)
+            lines = reader.read()
+        tail = lines[-4000:] or self.log.read_text(errors="replace")[-4000:]
+        if self.child is None:
+            return f"vLLM child failed (exit {returncode}); log {self.log}:\n{tail}"
+        if returncode == REQUEST_FAILED:
+            return f"vLLM's kept child failed this request (it serves the next); log {self.log}:\n{tail}"
+        if f"{STARTED}{self.result_file}" not in lines:
+            return (
+                f"vLLM's kept child exited (code {returncode}) before it served this request, while "
+                f"serving an earlier one; log {self.log}:\n{tail}"
+            )
+        return f"vLLM's kept child failed (exit {returncode}); log {self.log}:\n{tail}"
+
 
 @contextmanager
 def leave_a_core():
     """On a CPU, while `start_vllm`'s requests are served: torch's threads one fewer in this process.
-    vLLM's CPU worker keeps one thread, bound to a core; torch's parallel regions wait for their
-    slowest thread, so that with every core taken they would all run at the shared core's pace
-    (on 2 cores the tests' training beside vLLM took longer than the two one after the other)."""
+    vLLM's CPU worker binds its threads to the cores (`VLLM_CPU_OMP_THREADS_BIND`), and torch's
+    parallel regions here wait for their slowest thread: with every core taken they run at a shared
+    core's pace (on 2 cores the tests' training beside vLLM took longer than the two in turn)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -341,8 +375,11 @@ def leave_a_core():
 
 
 def log_path(kind: str = "") -> Path:
-    """A new file in the temp dir for a child's output (kept after the call, named in its result)."""
-    return Path(tempfile.gettempdir()) / f"vllm_engine_{os.getpid()}_{int(time.time())}{kind}.log"
+    """A new file in the temp dir for a child's output (kept after the call, named in its result);
+    unique, since children started in the same second write beside each other."""
+    fd, path = tempfile.mkstemp(prefix=f"vllm_engine_{os.getpid()}_", suffix=f"{kind}.log")
+    os.close(fd)
+    return Path(path)
 
 
 def _spawn(args: list[str], engine: Engine, out, cwd: str, **popen) -> subprocess.Popen:
@@ -403,7 +440,13 @@ class _KeptChild:
         long: its lines begin at the child's `STARTED` line for it (an earlier request's, still
         being served when it was asked, are theirs to print)."""
         return _follow(
-            self.proc, self.log, timeout, until=f"{FINISHED}{result}", start=start, after=f"{STARTED}{result}"
+            self.proc,
+            self.log,
+            timeout,
+            until=f"{FINISHED}{result}",
+            start=start,
+            after=f"{STARTED}{result}",
+            failed=f"{FAILED}{result}",
         )
 
     def close(self) -> None:
@@ -436,6 +479,10 @@ FINISHED = PROGRESS + "finished "
 """A kept child's line after each request's result is written (followed by the result's path)."""
 STARTED = "[vllm request] "
 """A kept child's line before it serves a request (followed by the result's path; not echoed)."""
+FAILED = "[vllm request failed] "
+"""A kept child's line when a request failed, before its FINISHED line (the traceback is above)."""
+REQUEST_FAILED = 1
+"""`_follow`'s answer when a kept child said FAILED for the request."""
 
 
 def _follow(
@@ -445,21 +492,26 @@ def _follow(
     until: str | None = None,
     start: int = 0,
     after: str | None = None,
+    failed: str | None = None,
 ) -> int:
-    """Wait for the child (or, with `until`, for that line from it: 0), printing its progress lines
-    from byte `start` of its log on (with `after`, those after that line only); kill it past
-    `timeout` seconds."""
+    """Wait for the child (or, with `until`, for that line from it: 0; `failed`, that line:
+    REQUEST_FAILED), printing its progress lines from byte `start` of its log on (with `after`,
+    those after that line only, and the `timeout` in seconds counted from it); kill it past
+    `timeout`."""
     deadline, partial, returncode = time.monotonic() + timeout, "", None
     with open(log, errors="replace") as reader:  # read on from where it was: the log grows long
         reader.seek(start)
         while True:
             *lines, partial = (partial + reader.read()).split("\n")  # a line being written waits
             for line in lines:
-                if after is not None:  # an earlier request's line
-                    after = None if line.endswith(after) else after
+                if after is not None:  # an earlier request's line, until this one's turn
+                    if line.endswith(after):
+                        after, deadline = None, time.monotonic() + timeout
                     continue
                 if until is not None and line.endswith(until):  # (after a progress bar's "\r")
                     return 0
+                if failed is not None and line.endswith(failed):
+                    return REQUEST_FAILED
                 if line.startswith(PROGRESS):
                     print(line, flush=True)
             if returncode is not None:
@@ -633,65 +685,82 @@ def child(request_file: str, result_file: str) -> None:
     prompts = [{"prompt_token_ids": p} for p in request["prompts"]]
     result: dict = {"vllm_version": vllm.__version__}
     llm, serving = None, None
-    for spec in request["runs"]:
-        run = Run(**spec)
-        started = time.perf_counter()
-        if (run.head, run.k, run.draft_sampling) != serving:
-            if llm is not None:
-                _shutdown(llm)
-            what = (
-                f"head {run.head}, k={run.k}, {run.draft_sampling} drafts" if run.head else "the target alone"
-            )
-            print(f"{PROGRESS}starting an engine: {what}", flush=True)
-            llm = LLM(**llm_kwargs(request["target"], run.head, run.k, engine, run.draft_sampling))
-            serving = (run.head, run.k, run.draft_sampling)
+    try:
+        for spec in request["runs"]:
+            run = Run(**spec)
+            started = time.perf_counter()
+            if (run.head, run.k, run.draft_sampling) != serving:
+                if llm is not None:
+                    _shutdown(llm)
+                    llm = None
+                what = (
+                    f"head {run.head}, k={run.k}, {run.draft_sampling} drafts"
+                    if run.head
+                    else "the target alone"
+                )
+                print(f"{PROGRESS}starting an engine: {what}", flush=True)
+                llm = LLM(**llm_kwargs(request["target"], run.head, run.k, engine, run.draft_sampling))
+                serving = (run.head, run.k, run.draft_sampling)
+                print(
+                    f"{PROGRESS}engine started in {time.perf_counter() - started:.0f} s; {run.name}: decoding "
+                    f"{len(prompts)} prompts",
+                    flush=True,
+                )
+            loaded = time.perf_counter()
+            params = [
+                sampling(run, i, request["max_new_tokens"], request["eos"]) for i in range(len(prompts))
+            ]
+            before = read_counters(llm)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            counts = _delta(before, read_counters(llm))
+            entry = {
+                **counts,
+                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "k": run.k if run.head else 0,
+                "temperature": run.temperature,
+                "draft_sampling": run.draft_sampling,
+                "head": run.head,
+                "method": head_method(run.head) if run.head else None,
+                "load_s": loaded - started,
+                "generate_s": time.perf_counter() - loaded,
+            }
+            if run.dump_draft and run.head:
+                entry["draft"] = llm.collective_rpc(dump_draft_params, args=(run.dump_draft,))[0]
+            result[run.name] = entry
             print(
-                f"{PROGRESS}engine started in {time.perf_counter() - started:.0f} s; {run.name}: decoding "
-                f"{len(prompts)} prompts",
+                f"{PROGRESS}{run.name}: {len(prompts)} prompts, {sum(map(len, entry['tokens'])):,} new tokens in "
+                f"{entry['generate_s']:.0f} s (engine start {entry['load_s']:.0f} s)",
                 flush=True,
             )
-        loaded = time.perf_counter()
-        params = [sampling(run, i, request["max_new_tokens"], request["eos"]) for i in range(len(prompts))]
-        before = read_counters(llm)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        counts = _delta(before, read_counters(llm))
-        entry = {
-            **counts,
-            "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-            "k": run.k if run.head else 0,
-            "temperature": run.temperature,
-            "draft_sampling": run.draft_sampling,
-            "head": run.head,
-            "method": head_method(run.head) if run.head else None,
-            "load_s": loaded - started,
-            "generate_s": time.perf_counter() - loaded,
-        }
-        if run.dump_draft and run.head:
-            entry["draft"] = llm.collective_rpc(dump_draft_params, args=(run.dump_draft,))[0]
-        result[run.name] = entry
-        print(
-            f"{PROGRESS}{run.name}: {len(prompts)} prompts, {sum(map(len, entry['tokens'])):,} new tokens in "
-            f"{entry['generate_s']:.0f} s (engine start {entry['load_s']:.0f} s)",
-            flush=True,
-        )
-        Path(result_file).write_text(json.dumps(result))  # what finished survives a later crash
-    if llm is not None:
-        _shutdown(llm)
+            Path(result_file).write_text(json.dumps(result))  # what finished survives a later crash
+    finally:  # a failed request leaves no engine behind (a kept child serves the next)
+        if llm is not None:
+            _shutdown(llm)
     Path(result_file).write_text(json.dumps(result))
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 3 and sys.argv[1:] != ["--serve"]:
+def main(argv: list[str]) -> None:
+    """`REQUEST.json RESULT.json`: serve one request; `--serve` (a kept child, `keep_child`): a
+    request and a result path per line on stdin, each between its STARTED and FINISHED lines."""
+    if len(argv) != 2 and argv != ["--serve"]:
         sys.exit("usage: python -m mtp_train.serving.vllm_engine REQUEST.json RESULT.json | --serve")
     try:
         check_vllm()
     except VLLMMissing as e:
         sys.exit(str(e))
-    if sys.argv[1] == "--serve":  # kept between calls (`keep_child`): one request per line
-        for line in sys.stdin:
-            request_file, result_file = line.rstrip("\n").split("\t")
-            print(f"{STARTED}{result_file}", flush=True)
+    if argv != ["--serve"]:
+        child(*argv)
+        return
+    for line in sys.stdin:
+        request_file, result_file = line.rstrip("\n").split("\t")
+        print(f"{STARTED}{result_file}", flush=True)
+        try:
             child(request_file, result_file)
-            print(f"{FINISHED}{result_file}", flush=True)
-    else:
-        child(sys.argv[1], sys.argv[2])
+        except Exception:  # this request's failure, told to its caller; the next is served
+            traceback.print_exc()
+            print(f"{FAILED}{result_file}", flush=True)
+        print(f"{FINISHED}{result_file}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
