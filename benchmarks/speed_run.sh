@@ -43,6 +43,9 @@
 # costs: -0.5 %, +6.3 %), p, p_all, k70_split_skinny, decode64. Next, on an H200: ta_*, then bp*,
 # p (now with the draft step's profile: two draft steps cost 3.5x what a verify adds at batch 1),
 # kp* and k70_split_skinny (now with 3 and 5 tokens, for the 70B projection's k = 2 and 4).
+# Run 13 (2026-12-07, thirteenth session, two H100s, no H200): p (the draft step profiled: the
+# whole vocabulary's lm_head is 61 % of it), then kp kp_b1 kp_b8 with BLOCK_SHAPES (kp now also
+# measures eagle3's 32,000-row draft step: 0.346 ms against 0.659). Next, on an H200: as run 12 says.
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
