@@ -139,6 +139,11 @@ def answered(target_dir: Path, base: Path):
     return target, ids, eos, answers, conversations
 
 
+def results(pending: list) -> dict:
+    """The `start_vllm` requests' results, waited for in the order asked, as one run_vllm's."""
+    return {name: r for request in pending for name, r in request.result().items()}
+
+
 @pytest.fixture(scope="module")
 def served(smollm2, tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm")
@@ -152,10 +157,10 @@ def served(smollm2, tmp_path_factory):
     # vLLM serves each run as soon as it is asked (one engine each, in the kept child, in turn) while
     # the next head trains: the target alone first.
     started = time.perf_counter()
-    pending = [start_vllm(smollm2, ids, MAX_NEW, eos, [Run("target")])]
+    heads, ours, runs = {}, {}, [Run("target")]
+    pending = [start_vllm(smollm2, ids, MAX_NEW, eos, runs[:1])]
     with leave_a_core():
         run_precompute(pipeline_config(base, "eagle3", conversations))
-        heads, ours, runs = {}, {}, [Run("target")]
         for kind in KINDS:
             config = pipeline_config(base, kind, conversations, *KIND_SETTINGS.get(kind, ()))
             heads[kind] = Path(train(config))
@@ -173,9 +178,7 @@ def served(smollm2, tmp_path_factory):
 
     # 3. vLLM's results: the target alone, then each head (one engine each).
     started = time.perf_counter()
-    engine = {}
-    for request in pending:
-        engine.update(request.result())
+    engine = results(pending)
     print(f"vLLM, {len(runs)} engines: {time.perf_counter() - started:.0f} s more")
     alone = engine["target"]
     summary = {
@@ -438,7 +441,7 @@ def served_qwen3(smollm2, tmp_path_factory):
             ours[kind] = {"tried": out.stats.tried, "accepted": out.stats.accepted, "tokens": out.tokens}
             run = Run(kind, head=str(export_vllm(head, target_dir, base / "export" / kind)), k=K)
             pending.append(start_vllm(target_dir, ids, MAX_NEW, eos, [run]))
-    engine = {name: r for request in pending for name, r in request.result().items()}
+    engine = results(pending)
     print(
         "\nvLLM on a Qwen3 target:",
         json.dumps(

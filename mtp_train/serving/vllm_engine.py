@@ -673,6 +673,28 @@ def _inspect_architectures_in_process() -> None:
         registry._run_in_subprocess = lambda inspect: inspect()
 
 
+def _decode(llm, run: Run, prompts: list[dict], request: dict) -> dict:
+    """One run on its engine: vLLM's counters over it, the new tokens, the draft's parameters if
+    asked for."""
+    started = time.perf_counter()
+    params = [sampling(run, i, request["max_new_tokens"], request["eos"]) for i in range(len(prompts))]
+    before = read_counters(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    entry = {
+        **_delta(before, read_counters(llm)),
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "k": run.k if run.head else 0,
+        "temperature": run.temperature,
+        "draft_sampling": run.draft_sampling,
+        "head": run.head,
+        "method": head_method(run.head) if run.head else None,
+    }
+    if run.dump_draft and run.head:
+        entry["draft"] = llm.collective_rpc(dump_draft_params, args=(run.dump_draft,))[0]
+    entry["generate_s"] = time.perf_counter() - started
+    return entry
+
+
 def child(request_file: str, result_file: str) -> None:
     """The child process: each run in turn, consecutive runs of one (head, k) on one engine."""
     import vllm
@@ -706,26 +728,8 @@ def child(request_file: str, result_file: str) -> None:
                     f"{len(prompts)} prompts",
                     flush=True,
                 )
-            loaded = time.perf_counter()
-            params = [
-                sampling(run, i, request["max_new_tokens"], request["eos"]) for i in range(len(prompts))
-            ]
-            before = read_counters(llm)
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            counts = _delta(before, read_counters(llm))
-            entry = {
-                **counts,
-                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                "k": run.k if run.head else 0,
-                "temperature": run.temperature,
-                "draft_sampling": run.draft_sampling,
-                "head": run.head,
-                "method": head_method(run.head) if run.head else None,
-                "load_s": loaded - started,
-                "generate_s": time.perf_counter() - loaded,
-            }
-            if run.dump_draft and run.head:
-                entry["draft"] = llm.collective_rpc(dump_draft_params, args=(run.dump_draft,))[0]
+            load_s = time.perf_counter() - started
+            entry = {**_decode(llm, run, prompts, request), "load_s": load_s}
             result[run.name] = entry
             print(
                 f"{PROGRESS}{run.name}: {len(prompts)} prompts, {sum(map(len, entry['tokens'])):,} new tokens in "
