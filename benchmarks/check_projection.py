@@ -3,11 +3,14 @@ target of the given shape (random weights) and a random restored head, greedy, p
 tokens (the cost benchmark's context), `speculative_generate` with graphed steps against graphed
 target-only `generate`; the measured speed-up set against the one projected from that run's own
 acceptance and `verify_cost_<shape>.json`. The prompts' prefill, the same in both loops and
-not in the model, is timed alone and taken out of both.
+not in the model, is timed alone and taken out of both. `--head eagle3` drafts with a random EAGLE-3
+head instead (its fc over three captured target states, its 2H-input layer and, at a vocabulary of
+100k or more, its default 32,000-row draft vocabulary), projected with the costs' draft step of that
+vocabulary (`draft_step_ms_by_vocab`) where they have one: the check of that part of the model.
 
     python -m benchmarks.check_projection --shape smollm2_135m --batch 80 --k 4
     python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --compiled-layers \
-        --costs benchmarks/results/verify_cost_llama3_8b_split_skinny_compiled.json
+        --costs benchmarks/results/verify_cost_llama3_8b_split_skinny_compiled.json [--head eagle3]
 
 With --compiled-layers the target's layers run compiled (`CausalLM.compile_layers`: the split-key
 attention and the skinny maps, the serving defaults), and the projection should take the step
@@ -26,24 +29,37 @@ import torch
 from benchmarks.common import DEVICE, DTYPE, RESULTS, shape, timed, write_result
 from inference_ref.draft import load_draft
 from inference_ref.generate import generate, prefill
-from inference_ref.head_spec import HeadSpec
+from inference_ref.head_spec import HEAD_KINDS, HeadSpec, default_aux_layers
 from inference_ref.models import TARGET_KINDS
 from inference_ref.skinny_linear import load_block_shapes
 from inference_ref.speculative import Chain, speculative_generate
 from mtp_train.export import save_head
-from mtp_train.heads import MTPHead
+from mtp_train.heads import build
 from mtp_train.projection import speedup
 
 
-def random_draft(target, cfg, directory: str):
+def head_spec(variant: str, cfg) -> HeadSpec:
+    """The checked head's shape: eagle3's aux layers and draft vocabulary are its defaults."""
+    if not HEAD_KINDS[variant].fuses_aux:
+        return HeadSpec(variant, cfg)
+    draft_vocab = HEAD_KINDS[variant].default_draft_vocab(cfg.vocab_size)
+    return HeadSpec(
+        variant, cfg, aux_layers=default_aux_layers(cfg.num_hidden_layers), draft_vocab_size=draft_vocab
+    )
+
+
+def random_draft(target, spec: HeadSpec, directory: str):
+    """A randomly initialized head of `spec` on the target's frozen tensors, exported and loaded as
+    serving loads it (a draft vocabulary, if any, is the first ids: which ids does not change a cost)."""
     frozen = {
         "model.embed_tokens.weight": target.embed_tokens.weight.float().cpu(),
         "model.norm.weight": target.norm.weight.float().cpu(),
         "lm_head.weight": target.lm_head.weight.float().cpu(),
     }
     torch.manual_seed(0)
-    head = MTPHead(HeadSpec("rmsnorm-restored", cfg), frozen)
-    save_head(head, directory, {"config_hash": cfg.fingerprint()}, {})
+    draft_ids = torch.arange(spec.draft_vocab_size) if spec.draft_vocab_size else None
+    head = build(spec, frozen, draft_ids)
+    save_head(head, directory, {"config_hash": spec.target.fingerprint()}, {})
     return load_draft(directory, target)
 
 
@@ -56,19 +72,23 @@ def main() -> None:
     p.add_argument("--compiled-layers", action="store_true", help="the target's layers compiled")
     p.add_argument("--costs", help="the step costs to project with (default: verify_cost_<shape>.json)")
     p.add_argument("--block-shapes", help="the skinny maps' block shapes from this JSON instead of timed")
+    p.add_argument("--head", default="rmsnorm-restored", choices=("rmsnorm-restored", "eagle3"))
     args = p.parse_args()
     if args.block_shapes:  # the picks the costs were measured with, so that the two runs agree
         load_block_shapes(args.block_shapes)
     costs_path = Path(args.costs) if args.costs else RESULTS / f"verify_cost_{args.shape}.json"
     costs = json.loads(costs_path.read_text())  # read first: a wrong path fails before the runs
+    if str(args.batch) not in costs["verify_ms"]:
+        raise SystemExit(f"check_projection: {costs_path} has no verify_ms for batch {args.batch}")
     cfg = shape(args.shape)
+    head = head_spec(args.head, cfg)
     target = TARGET_KINDS[cfg.model_type].random(cfg, DEVICE, DTYPE, 0)
     if args.compiled_layers:
         target.compile_layers()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (1024,), generator=g).tolist() for _ in range(args.batch)]
     with tempfile.TemporaryDirectory() as d:
-        draft = random_draft(target, cfg, d)
+        draft = random_draft(target, head, d)
         no_eos: list[int] = []  # every row runs its full length, as the cost benchmark's do
         # Warm-ups at the measured length: a cache of another length is another shape for the
         # attention kernels' plans (cuDNN builds one per shape) and for compiled code, which the
@@ -94,17 +114,22 @@ def main() -> None:
         raise SystemExit(f"check_projection: the prefill alone ({prefill_s:.3f} s) took longer than a loop")
     stats = box[0].stats
     measured = (base - prefill_s) / (spec - prefill_s)
-    projected = speedup(stats.accept_rate, args.k, costs, str(args.batch))
+    vocab = head.draft_vocab_size or None
+    projected = speedup(stats.accept_rate, args.k, costs, str(args.batch), vocab=vocab)
     # (a random head's τ is 1: what is checked is the cost accounting, whatever the acceptance)
     write_result(
         f"projection_check_{args.shape}_b{args.batch}_k{args.k}"
-        + ("_compiled" if args.compiled_layers else ""),
+        + ("_compiled" if args.compiled_layers else "")
+        + ("" if args.head == "rmsnorm-restored" else f"_{args.head}"),
         {
             "shape": args.shape,
             "compiled_layers": args.compiled_layers,
             "compiled_layers_ran": target.runs_compiled("cached"),  # false after a fallback
             "costs": costs_path.name,
             "block_shapes_from": args.block_shapes,
+            "head": args.head,
+            "draft_vocab_size": head.draft_vocab_size,  # 0: the whole vocabulary
+            "draft_step_ms_by_vocab_measured": str(vocab) in costs.get("draft_step_ms_by_vocab", {}),
             "batch": args.batch,
             "k": args.k,
             "new_tokens": args.new,
