@@ -7,6 +7,9 @@ not in the model, is timed alone and taken out of both. `--head eagle3` drafts w
 head instead (its fc over three captured target states, its 2H-input layer and, at a vocabulary of
 100k or more, its default 32,000-row draft vocabulary), projected with the costs' draft step of that
 vocabulary (`draft_step_ms_by_vocab`) where they have one: the check of that part of the model.
+On a GPU the loop's graphed step is also replayed alone (`loop_step`) and set against the
+projection's step (a verify of k + 1 tokens and k draft steps): what of the error is GPU work in the
+step and what is the loop's host work around it; `--profile` adds the step's GPU time by kernel kind.
 
     python -m benchmarks.check_projection --shape smollm2_135m --batch 80 --k 4
     python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --compiled-layers \
@@ -26,16 +29,17 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_verify_cost import replay_ms, replayed_profile
 from benchmarks.common import DEVICE, DTYPE, RESULTS, shape, timed, write_result
 from inference_ref.draft import load_draft
-from inference_ref.generate import generate, prefill
+from inference_ref.generate import generate, last_logits, prefill
 from inference_ref.head_spec import HEAD_KINDS, HeadSpec, default_aux_layers
 from inference_ref.models import TARGET_KINDS
 from inference_ref.skinny_linear import load_block_shapes
-from inference_ref.speculative import Chain, speculative_generate
+from inference_ref.speculative import NO_CLOCK, Chain, SpecStep, draft_prefill, speculative_generate
 from mtp_train.export import save_head
 from mtp_train.heads import build
-from mtp_train.projection import speedup
+from mtp_train.projection import draft_ms, speedup
 
 
 def head_spec(variant: str, cfg) -> HeadSpec:
@@ -63,6 +67,27 @@ def random_draft(target, spec: HeadSpec, directory: str):
     return load_draft(directory, target)
 
 
+REPLAYS = 27  # of the loop's step by `loop_step`, at most: its capture's warm-up, 20 timed, 5 profiled
+
+
+@torch.inference_mode()
+def loop_step(target, draft, prompts: list[list[int]], k: int, new: int, profile: bool) -> dict:
+    """The loop's graphed step alone (`SpecStep`, as `speculative_generate` builds it after the
+    prefill): ms a replay, so that the loop's host work and its GPU step are told apart; with
+    `profile`, the step's GPU time by kernel kind and its top kernels (what the projection's verify
+    and draft steps leave out shows there). The cache is the loop's (the same attention spans), so
+    the replays, each committing up to k + 1 tokens a row, must fit in `new` (`main` checks)."""
+    max_len = len(prompts[0]) + new + Chain(k).cache_room
+    target_cache, hidden = prefill(target, prompts, max_len, draft.capture)
+    last = last_logits(target, hidden, target_cache.lengths).argmax(-1)
+    draft_cache, y = draft_prefill(draft, hidden, prompts, last, max_len)
+    step = SpecStep(target, draft, target_cache, draft_cache, k, 0.0, None, NO_CLOCK, graph=True)
+    step.start(last, y, torch.ones(len(prompts), dtype=torch.bool, device=last.device))
+    if profile:
+        return replayed_profile(step.cuda_graph, repeats=5)
+    return {"step_ms": replay_ms(step.cuda_graph, repeats=10)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="smollm2_135m")
@@ -73,11 +98,16 @@ def main() -> None:
     p.add_argument("--costs", help="the step costs to project with (default: verify_cost_<shape>.json)")
     p.add_argument("--block-shapes", help="the skinny maps' block shapes from this JSON instead of timed")
     p.add_argument("--head", default="rmsnorm-restored", choices=("rmsnorm-restored", "eagle3"))
+    p.add_argument("--profile", action="store_true", help="also the loop's step by kernel kind")
     args = p.parse_args()
     if args.block_shapes:  # the picks the costs were measured with, so that the two runs agree
         load_block_shapes(args.block_shapes)
     costs_path = Path(args.costs) if args.costs else RESULTS / f"verify_cost_{args.shape}.json"
     costs = json.loads(costs_path.read_text())  # read first: a wrong path fails before the runs
+    if REPLAYS * (args.k + 1) > args.new:  # the loop's step replayed alone (`loop_step`)
+        raise SystemExit(
+            f"check_projection: --new {args.new} leaves no room for {REPLAYS} steps of k + 1 tokens"
+        )
     if str(args.batch) not in costs["verify_ms"]:
         raise SystemExit(f"check_projection: {costs_path} has no verify_ms for batch {args.batch}")
     cfg = shape(args.shape)
@@ -110,12 +140,17 @@ def main() -> None:
                 speculative_generate(target, draft, prompts, args.new, no_eos, Chain(args.k), graph=True)
             )
         )
+        # (a CUDA graph: on a CPU smoke run there is no step to replay)
+        step = loop_step(target, draft, prompts, args.k, args.new, args.profile) if DEVICE == "cuda" else None
     if prefill_s >= min(base, spec):
         raise SystemExit(f"check_projection: the prefill alone ({prefill_s:.3f} s) took longer than a loop")
     stats = box[0].stats
     measured = (base - prefill_s) / (spec - prefill_s)
     vocab = head.draft_vocab_size or None
     projected = speedup(stats.accept_rate, args.k, costs, str(args.batch), vocab=vocab)
+    b = str(args.batch)
+    # the projection's step: one verify of k + 1 tokens and k draft steps
+    projected_step = costs["verify_ms"][b][str(args.k + 1)] + draft_ms(costs, b, args.k, vocab=vocab)
     # (a random head's τ is 1: what is checked is the cost accounting, whatever the acceptance)
     write_result(
         f"projection_check_{args.shape}_b{args.batch}_k{args.k}"
@@ -144,6 +179,11 @@ def main() -> None:
             "measured_speedup": measured,
             "projected_speedup": projected,
             "relative_error": projected / measured - 1,
+            # the graphed step replayed alone, against the projection's step: the share of the
+            # error that is GPU work in the step, not the loop's host work around it
+            "loop_step": step,
+            "projected_step_ms": projected_step,
+            "step_relative_error": projected_step / step["step_ms"] - 1 if step else None,
         },
     )
 

@@ -117,8 +117,8 @@ run o8_on_again $o8 --pdl --tag pdl_ab_again
 kp="$v --shape llama3_8b --compiled-layers --new-tokens 1 2 3 4 5 --cached-kernel split --linear-kernel skinny ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}"
 run kp $kp --batches 1 8 --tag projection
 kp_costs=benchmarks/results/verify_cost_llama3_8b_split_skinny_compiled_projection.json
-run kp_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
-run kp_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
+run kp_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --profile ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
+run kp_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs --profile ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
 # the same checks drafting with an EAGLE-3 head (its 32,000-row draft vocabulary at this shape): the
 # projection's draft step by vocabulary (`draft_step_ms_by_vocab`, in kp's costs) against the loop
 run kp_e3_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --head eagle3 ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
