@@ -38,8 +38,9 @@ from benchmarks.common import (
     strict_compile,
     write_result,
 )
+from benchmarks.random_draft import head_spec, random_draft
 from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
-from inference_ref.head_spec import DRAFT_VOCAB, HEAD_KINDS
+from inference_ref.head_spec import HEAD_KINDS
 from inference_ref.models import TARGET_KINDS
 from inference_ref.skinny_linear import LINEAR_KERNELS, load_block_shapes, tuned_configs, use_linear_kernel
 from inference_ref.triton_support import use_pdl
@@ -102,43 +103,65 @@ def verify_costs(model, batches, new_tokens, context: int = CONTEXT) -> dict[str
 
 
 @torch.inference_mode()
-def draft_steps(cfg, batches, context: int = CONTEXT, vocab: int | None = None, fc_inputs: int = 2):
-    """Per batch, (batch, one draft step): a one-layer model of the target's layer shape (its layer,
-    an embedding, final norm and an lm_head of `vocab` rows: None, the target's) plus the head's fc
-    (fc_inputs·H → H: 2 for the restored and EAGLE-1 heads, 3 for EAGLE-3's three layers), one token
-    per row."""
-    vocab = vocab or cfg.vocab_size
-    layer = TARGET_KINDS[cfg.model_type].random(
-        type(cfg)(**{**cfg.__dict__, "num_hidden_layers": 1, "vocab_size": vocab}), DEVICE, DTYPE, 0
-    )
-    fc = torch.nn.Linear(fc_inputs * cfg.hidden_size, cfg.hidden_size, bias=False, device=DEVICE, dtype=DTYPE)
+def draft_steps(model, batches, variant: str = "rmsnorm-restored", context: int = CONTEXT):
+    """Per batch, (batch, one draft step): a random head of `variant` on `model`, loaded as serving
+    loads it (`benchmarks.random_draft`), chained one token a row from the previous step's state
+    over `context` committed entries: its layer (an EAGLE-3 head's reads [e; g], 2H, and runs no fc
+    when chained), its logits over the target vocabulary (its draft vocabulary's rows, if any,
+    scattered) and the argmax the loop drafts the token with."""
+    draft = random_draft(model, head_spec(variant, model.cfg))
     for b in batches:
-        cache = layer.new_cache(b, context + 8)
+        cache = draft.new_cache(b, context + 8)
         cache.lengths.fill_(context)
-        ids = torch.randint(0, vocab, (b, 1), device=DEVICE)
-        state = torch.randn(b, 1, fc_inputs * cfg.hidden_size, device=DEVICE, dtype=DTYPE)
+        y = torch.randn(b, model.cfg.hidden_size, device=DEVICE, dtype=DTYPE)
+        token = torch.randint(0, model.cfg.vocab_size, (b,), device=DEVICE)
 
-        def step(ids=ids, cache=cache, state=state):
-            fc(state)
-            layer.logits(layer.forward_cached(ids, cache, static=True))
+        def step(y=y, token=token, cache=cache):
+            return draft.logits(draft.chain(y, token, cache, 1, static=True)).argmax(-1)
 
         yield b, step
 
 
 @torch.inference_mode()
-def draft_costs(cfg, batches, context: int = CONTEXT, **head) -> dict[str, float]:
-    """ms of one replayed draft step per batch (`draft_steps`; `head`: its vocab and fc_inputs)."""
-    return {str(b): graphed(step) for b, step in draft_steps(cfg, batches, context, **head)}
+def draft_costs(
+    model, batches, variant: str = "rmsnorm-restored", context: int = CONTEXT
+) -> dict[str, float]:
+    """ms of one replayed draft step of a `variant` head per batch (`draft_steps`)."""
+    return {str(b): graphed(step) for b, step in draft_steps(model, batches, variant, context)}
+
+
+def eagle3_draft_vocab(cfg) -> int:
+    """The draft vocabulary an EAGLE-3 head on this target has by default (0: the whole one, or
+    no EAGLE-3 head for this target kind)."""
+    kind = HEAD_KINDS["eagle3"]
+    fits = kind.target_kinds is None or cfg.model_type in kind.target_kinds
+    return kind.default_draft_vocab(cfg.vocab_size) if fits else 0
+
+
+def draft_figures(model, args) -> dict:
+    """The draft step's costs: a restored head's (the whole vocabulary's lm_head) and, where this
+    target's EAGLE-3 head has a draft vocabulary by default, that head's by its vocabulary (32,000
+    rows on targets of >= 100k tokens: the whole vocabulary's lm_head was 61 % of a batch-1 draft
+    step at 8B, run 13's profile); with --profile, the restored head's step profiled."""
+    vocab = eagle3_draft_vocab(model.cfg)
+    return {
+        "draft_step_ms": draft_costs(model, args.batches, context=args.context),
+        "draft_step_ms_by_vocab": {str(vocab): draft_costs(model, args.batches, "eagle3", args.context)}
+        if vocab
+        else {},
+        "draft_step_kind": "the real draft chained (benchmarks.random_draft), since 2026-12-07",
+        "draft_profile": draft_profiles(model, args.batches, args.context) if args.profile else None,
+    }
 
 
 @torch.inference_mode()
-def draft_profiles(cfg, batches, context: int = CONTEXT, repeats: int = 10) -> dict:
+def draft_profiles(model, batches, context: int = CONTEXT, repeats: int = 10) -> dict:
     """Where a replayed draft step's time goes, per batch: its ms, GPU ms by kernel kind and the top
-    kernels, totals over `repeats` replays (run 12's projection on an H100: at batch 1 two draft
-    steps cost 3.0-3.5x what the verify adds over a decode step; a step reads about 1.56 GB, its
-    layer, fc and the lm_head, at 0.59-0.68 ms, 69-79 % of the peak)."""
+    kernels, totals over `repeats` replays (run 13 on an H100, the one-layer stand-in the bench
+    timed before the real draft: at batch 1 the whole vocabulary's lm_head was 61 % of a step)."""
     return {
-        str(b): replayed_profile(captured(step), repeats) for b, step in draft_steps(cfg, batches, context)
+        str(b): replayed_profile(captured(step), repeats)
+        for b, step in draft_steps(model, batches, context=context)
     }
 
 
@@ -324,6 +347,8 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         measured[depth] = verify_costs(model, args.batches, args.new_tokens, args.context)
         if args.profile:
             profiles = decode_profiles(model, args.batches, torch.cuda.get_device_name(), args.context)
+        # the draft steps on the last depth's model (a draft is one layer and the target's lm_head)
+        drafts = draft_figures(model, args)
         ran_compiled = model.runs_compiled("cached")  # false too where the compile fell back to eager
         del model
         torch.cuda.empty_cache()
@@ -377,19 +402,10 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             "extrapolated": len(depths) == 2,
             "verify_ms": verify,
             "verify_ms_measured": {str(d): m for d, m in measured.items()} if len(depths) == 2 else None,
-            "draft_step_ms": draft_costs(cfg, args.batches, args.context),
-            # an eagle3 head's step where it has a draft vocabulary (32,000 rows on targets of
-            # >= 100k tokens, `model.draft_vocab_size`'s default; measured with its 3H fc): the
-            # whole vocabulary's lm_head is 61 % of a batch-1 draft step at 8B (run 13's profile)
-            "draft_step_ms_by_vocab": {
-                str(DRAFT_VOCAB): draft_costs(cfg, args.batches, args.context, vocab=DRAFT_VOCAB, fc_inputs=3)
-            }
-            if HEAD_KINDS["eagle3"].default_draft_vocab(cfg.vocab_size)
-            else {},
+            **drafts,
             "peak_bandwidth_bytes_per_s": peak_bandwidth(device_name),
             "decode_read": decode_read_limits(cfg, verify, device_name, args.context),
             "decode_profile": profiles,
-            "draft_profile": draft_profiles(cfg, args.batches, args.context) if args.profile else None,
         },
     )
 

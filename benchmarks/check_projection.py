@@ -26,48 +26,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 import torch
 
 from benchmarks.bench_verify_cost import replay_ms, replayed_profile
 from benchmarks.common import DEVICE, DTYPE, RESULTS, shape, timed, write_result
-from inference_ref.draft import load_draft
+from benchmarks.random_draft import head_spec, random_draft
 from inference_ref.generate import generate, last_logits, prefill
-from inference_ref.head_spec import HEAD_KINDS, HeadSpec, default_aux_layers
 from inference_ref.models import TARGET_KINDS
 from inference_ref.skinny_linear import load_block_shapes
 from inference_ref.speculative import NO_CLOCK, Chain, SpecStep, draft_prefill, speculative_generate
-from mtp_train.export import save_head
-from mtp_train.heads import build
 from mtp_train.projection import draft_ms, speedup
-
-
-def head_spec(variant: str, cfg) -> HeadSpec:
-    """The checked head's shape: eagle3's aux layers and draft vocabulary are its defaults."""
-    if not HEAD_KINDS[variant].fuses_aux:
-        return HeadSpec(variant, cfg)
-    draft_vocab = HEAD_KINDS[variant].default_draft_vocab(cfg.vocab_size)
-    return HeadSpec(
-        variant, cfg, aux_layers=default_aux_layers(cfg.num_hidden_layers), draft_vocab_size=draft_vocab
-    )
-
-
-def random_draft(target, spec: HeadSpec, directory: str):
-    """A randomly initialized head of `spec` on the target's frozen tensors, exported and loaded as
-    serving loads it (a draft vocabulary, if any, is the first ids: which ids does not change a cost)."""
-    frozen = {
-        "model.embed_tokens.weight": target.embed_tokens.weight.float().cpu(),
-        "model.norm.weight": target.norm.weight.float().cpu(),
-        "lm_head.weight": target.lm_head.weight.float().cpu(),
-    }
-    torch.manual_seed(0)
-    draft_ids = torch.arange(spec.draft_vocab_size) if spec.draft_vocab_size else None
-    head = build(spec, frozen, draft_ids)
-    save_head(head, directory, {"config_hash": spec.target.fingerprint()}, {})
-    return load_draft(directory, target)
-
 
 REPLAYS = 27  # of the loop's step by `loop_step`, at most: its capture's warm-up, 20 timed, 5 profiled
 
@@ -141,19 +111,18 @@ def main() -> None:
         target.compile_layers()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (1024,), generator=g).tolist() for _ in range(args.batch)]
-    with tempfile.TemporaryDirectory() as d:
-        draft = random_draft(target, head, d)
-        base, spec, stats = timed_loops(target, draft, prompts, args.k, (args.new, 2 * args.new))
-        # both loops start with the same prefill of every prompt, which the model leaves out;
-        # run as the loops run it (in inference mode: a tensor outside it is another input to the
-        # compiled layers' guards) and warmed up: on 2026-12-07 the cold call outside inference
-        # mode compiled the layers again, 5-7 s timed as the prefill
-        cache_len = 1024 + args.new + 2 * args.k + 1
-        with torch.inference_mode():
-            prefill(target, prompts, cache_len)
-            prefill_s = timed(lambda: prefill(target, prompts, cache_len))
-        # (a CUDA graph: on a CPU smoke run there is no step to replay)
-        step = loop_step(target, draft, prompts, args.k, args.new, args.profile) if DEVICE == "cuda" else None
+    draft = random_draft(target, head)
+    base, spec, stats = timed_loops(target, draft, prompts, args.k, (args.new, 2 * args.new))
+    # both loops start with the same prefill of every prompt, which the model leaves out;
+    # run as the loops run it (in inference mode: a tensor outside it is another input to the
+    # compiled layers' guards) and warmed up: on 2026-12-07 the cold call outside inference
+    # mode compiled the layers again, 5-7 s timed as the prefill
+    cache_len = 1024 + args.new + 2 * args.k + 1
+    with torch.inference_mode():
+        prefill(target, prompts, cache_len)
+        prefill_s = timed(lambda: prefill(target, prompts, cache_len))
+    # (a CUDA graph: on a CPU smoke run there is no step to replay)
+    step = loop_step(target, draft, prompts, args.k, args.new, args.profile) if DEVICE == "cuda" else None
     short, long = args.new, 2 * args.new
     if prefill_s >= min(base[short], spec[short]):
         raise SystemExit(f"check_projection: the prefill alone ({prefill_s:.3f} s) took longer than a loop")

@@ -113,3 +113,27 @@ def test_a_draft_vocabulary_is_costed_by_its_own_draft_step_where_measured():
     assert check({"batch_size": 4, "speculative": {"greedy": {"k=2": measured}}}, costs)["k=2"][
         "projected"
     ] == pytest.approx(1.75 * 10 / 12.4)
+
+
+def test_the_cost_benchmark_times_the_real_drafts_step():
+    """`bench_verify_cost`'s draft step is a random head of the kind, loaded as serving loads it,
+    drafting a token (on a CPU the step runs; the CUDA graph that times it needs a GPU): an eagle3
+    head on a vocabulary of 100k or more drafts from its 32,000-row draft vocabulary (the first ids)."""
+    import torch
+
+    from benchmarks.bench_verify_cost import draft_steps, eagle3_draft_vocab
+    from inference_ref.models import TARGET_KINDS
+
+    registry = TARGET_KINDS["llama"]
+    cfg = registry.config(**{**registry.tiny, "vocab_size": 100_000, "num_hidden_layers": 8})
+    target = registry.random(cfg, "cpu", torch.float32, 0)
+    assert eagle3_draft_vocab(cfg) == 32_000
+    deepseek = TARGET_KINDS["deepseek_v2"]
+    assert eagle3_draft_vocab(deepseek.config(**{**deepseek.tiny, "vocab_size": 200_000})) == 0
+    drafted = {}
+    for variant in ("rmsnorm-restored", "eagle3"):
+        ((batch, step),) = draft_steps(target, [3], variant, context=8)
+        with torch.inference_mode():
+            drafted[variant] = step()
+        assert drafted[variant].shape == (batch,)
+    assert (drafted["eagle3"] < 32_000).all()
