@@ -10,9 +10,10 @@ target-only decoding emits one token per one-token step, so
     speed-up(k, batch) = τ(k) · T_batch(1) / (T_batch(k + 1) + P(k) · D_batch)
 
 with P(k) the draft's forwards per verify (from the report's `draft_layer_passes`): k for a chained
-head, each a measured draft step (fc, one layer, the lm_head: of the head's draft vocabulary where
-the costs measured a step of that size, `draft_step_ms_by_vocab`, eagle3's 32,000 rows with its 3H
-fc, whichever kind the head is; else the whole vocabulary's, with a 2H fc) and, for L stacked layers, L − 1 more
+head, each a measured draft step (a random head's chained step, loaded as serving loads it: its
+layer, the lm_head and the argmax; where the costs measured a step of the head's draft vocabulary,
+`draft_step_ms_by_vocab`, an eagle3 head's with 32,000 rows, whichever kind the head is; else a
+restored head's with the whole vocabulary) and, for L stacked layers, L − 1 more
 layers at the target's own per-layer cost (its one-token step less the draft step, over its other
 layers: the costs' `layers`); for a block drafter (DFlash) its layers, one forward of the whole block whatever k,
 each layer costed as a one-token one-layer step (small forwards are weight-read and launch bound);
@@ -70,7 +71,7 @@ def draft_ms(costs: dict, batch: str, forwards: int, layers: int = 1, vocab: int
 
 def draft_step_ms(costs: dict, batch: str, vocab: int | None = None) -> float:
     """One draft step: with an lm_head of the head's draft vocabulary where the costs measured one of
-    that size (`draft_step_ms_by_vocab`, eagle3's 32,000 rows), else the whole vocabulary's."""
+    that size (`draft_step_ms_by_vocab`, an eagle3 head's 32,000 rows), else the whole vocabulary's."""
     return costs.get("draft_step_ms_by_vocab", {}).get(str(vocab), costs["draft_step_ms"])[batch]
 
 
