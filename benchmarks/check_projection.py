@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -60,25 +61,38 @@ def loop_step(target, draft, prompts: list[list[int]], k: int, new: int, profile
     return {"step_ms": replay_ms(step.cuda_graph, repeats=10)}
 
 
+LOOP_REPEATS = 3  # timings of each loop and length, interleaved; the median is taken
+
+
 def timed_loops(target, draft, prompts: list[list[int]], k: int, lengths: tuple[int, ...]):
     """Seconds of target-only `generate` and of graphed `speculative_generate` (a chain of k) per
-    number of new tokens, each warmed up at its own length first (a cache of another length is
-    another shape for the attention kernels' plans, which cuDNN builds per shape, and for compiled
-    code: bench_decode met 1.85 ms a step that was no host work); and the longest run's stats."""
+    number of new tokens: the median of `LOOP_REPEATS` timings taken in turn (on run 15's H100 one
+    timing each put the same batch-1 decode step at 5.14 and 5.59 ms in two processes), each loop
+    warmed up at its own length first (a cache of another length is another shape for the
+    attention kernels' plans, which cuDNN builds per shape, and for compiled code: bench_decode met
+    1.85 ms a step that was no host work); and the longest run's stats."""
     no_eos: list[int] = []  # every row runs its full length, as the cost benchmark's do
-    for n in lengths:
-        generate(target, prompts, n, no_eos)
-        speculative_generate(target, draft, prompts, n, no_eos, Chain(k), graph=True)
-    base = {n: timed(lambda n=n: generate(target, prompts, n, no_eos)) for n in lengths}
     runs = {}
-    spec = {
-        n: timed(
-            lambda n=n: runs.update(
+
+    def loops(n: int) -> dict:
+        return {
+            "base": lambda: generate(target, prompts, n, no_eos),
+            "spec": lambda: runs.update(
                 {n: speculative_generate(target, draft, prompts, n, no_eos, Chain(k), graph=True)}
-            )
-        )
-        for n in lengths
-    }
+            ),
+        }
+
+    for n in lengths:
+        for run in loops(n).values():
+            run()
+    times = {(loop, n): [] for n in lengths for loop in ("base", "spec")}
+    for _ in range(LOOP_REPEATS):
+        for n in lengths:
+            for loop, run in loops(n).items():
+                times[loop, n].append(timed(run))
+    median = {key: statistics.median(ts) for key, ts in times.items()}
+    base = {n: median["base", n] for n in lengths}
+    spec = {n: median["spec", n] for n in lengths}
     return base, spec, runs[max(lengths)].stats
 
 
