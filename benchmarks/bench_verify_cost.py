@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 
 import torch
 
@@ -103,31 +104,23 @@ def verify_costs(model, batches, new_tokens, context: int = CONTEXT) -> dict[str
 
 
 @torch.inference_mode()
-def draft_steps(model, batches, variant: str = "rmsnorm-restored", context: int = CONTEXT):
-    """Per batch, (batch, one draft step): a random head of `variant` on `model`, loaded as serving
-    loads it (`benchmarks.random_draft`), chained one token a row from the previous step's state
-    over `context` committed entries: its layer (an EAGLE-3 head's reads [e; g], 2H, and runs no fc
+def draft_steps(draft, batches, context: int = CONTEXT):
+    """Per batch, (batch, one draft step) of `draft` (a random head loaded as serving loads it,
+    `benchmarks.random_draft`), chained one token a row from the previous step's state over
+    `context` committed entries: its layer (an EAGLE-3 head's reads [e; g], 2H, and runs no fc
     when chained), its logits over the target vocabulary (its draft vocabulary's rows, if any,
     scattered) and the argmax the loop drafts the token with."""
-    draft = random_draft(model, head_spec(variant, model.cfg))
+    cfg = draft.spec.target
     for b in batches:
         cache = draft.new_cache(b, context + 8)
         cache.lengths.fill_(context)
-        y = torch.randn(b, model.cfg.hidden_size, device=DEVICE, dtype=DTYPE)
-        token = torch.randint(0, model.cfg.vocab_size, (b,), device=DEVICE)
+        y = torch.randn(b, cfg.hidden_size, device=DEVICE, dtype=DTYPE)
+        token = torch.randint(0, cfg.vocab_size, (b,), device=DEVICE)
 
         def step(y=y, token=token, cache=cache):
             return draft.logits(draft.chain(y, token, cache, 1, static=True)).argmax(-1)
 
         yield b, step
-
-
-@torch.inference_mode()
-def draft_costs(
-    model, batches, variant: str = "rmsnorm-restored", context: int = CONTEXT
-) -> dict[str, float]:
-    """ms of one replayed draft step of a `variant` head per batch (`draft_steps`)."""
-    return {str(b): graphed(step) for b, step in draft_steps(model, batches, variant, context)}
 
 
 def eagle3_draft_vocab(cfg) -> int:
@@ -138,31 +131,58 @@ def eagle3_draft_vocab(cfg) -> int:
     return kind.default_draft_vocab(cfg.vocab_size) if fits else 0
 
 
-def draft_figures(model, args) -> dict:
-    """The draft step's costs: a restored head's (the whole vocabulary's lm_head) and, where this
-    target's EAGLE-3 head has a draft vocabulary by default, that head's by its vocabulary (32,000
-    rows on targets of >= 100k tokens: the whole vocabulary's lm_head was 61 % of a batch-1 draft
-    step at 8B, run 13's profile); with --profile, the restored head's step profiled."""
+@torch.inference_mode()
+def draft_figures(model, batches, context: int, profile: bool) -> dict:
+    """The draft step's costs, ms per batch: a restored head's (the whole vocabulary's lm_head)
+    and, where this target's EAGLE-3 head has a draft vocabulary by default, that head's by its
+    vocabulary (32,000 rows on targets of >= 100k tokens: the whole vocabulary's lm_head was 61 %
+    of a batch-1 draft step at 8B, run 13's profile); with `profile`, the restored head's step
+    profiled (its ms, GPU ms by kernel kind and top kernels, totals over 10 replays). The drafts
+    run eager, as the loop runs them; `main` times them under the default kernels ("auto": cuBLAS
+    maps and SDPA outside compiled layers), whatever the target's were (run 15 timed them under
+    the target's skinny maps)."""
+
+    def step_ms(draft) -> dict[str, float]:
+        return {str(b): graphed(step) for b, step in draft_steps(draft, batches, context)}
+
+    restored = random_draft(model, head_spec("rmsnorm-restored", model.cfg))
     vocab = eagle3_draft_vocab(model.cfg)
     return {
-        "draft_step_ms": draft_costs(model, args.batches, context=args.context),
-        "draft_step_ms_by_vocab": {str(vocab): draft_costs(model, args.batches, "eagle3", args.context)}
+        "draft_step_kind": "a random head's chained step, eager, the default kernels (since 2026-12-07)",
+        "draft_step_ms": step_ms(restored),
+        "draft_step_ms_by_vocab": {str(vocab): step_ms(random_draft(model, head_spec("eagle3", model.cfg)))}
         if vocab
         else {},
-        "draft_step_kind": "the real draft chained (benchmarks.random_draft), since 2026-12-07",
-        "draft_profile": draft_profiles(model, args.batches, args.context) if args.profile else None,
+        "draft_profile": {
+            str(b): replayed_profile(captured(step), 10)
+            for b, step in draft_steps(restored, batches, context)
+        }
+        if profile
+        else None,
     }
 
 
-@torch.inference_mode()
-def draft_profiles(model, batches, context: int = CONTEXT, repeats: int = 10) -> dict:
-    """Where a replayed draft step's time goes, per batch: its ms, GPU ms by kernel kind and the top
-    kernels, totals over `repeats` replays (run 13 on an H100, the one-layer stand-in the bench
-    timed before the real draft: at batch 1 the whole vocabulary's lm_head was 61 % of a step)."""
-    return {
-        str(b): replayed_profile(captured(step), repeats)
-        for b, step in draft_steps(model, batches, context=context)
-    }
+def use_kernels(args: argparse.Namespace) -> None:
+    """The linear and cached-attention kernels the command line asks for."""
+    use_cached_kernel(args.cached_kernel)
+    use_linear_kernel(
+        args.linear_kernel,
+        folds=not args.unfolded,
+        tile_activation=args.tile_activation,
+        tile_norm=args.tile_norm,
+    )
+
+
+@contextmanager
+def default_kernels(args: argparse.Namespace):
+    """The linear and cached-attention kernels at their defaults ("auto") for a while, as the loop
+    runs its eager draft; then the command line's again."""
+    use_cached_kernel("auto")
+    use_linear_kernel("auto")
+    try:
+        yield
+    finally:
+        use_kernels(args)
 
 
 def replayed_profile(graph: torch.cuda.CUDAGraph, repeats: int = 10) -> dict:
@@ -328,13 +348,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     strict_compile()
     if args.autotune:
         inductor_autotune()
-    use_cached_kernel(args.cached_kernel)
-    use_linear_kernel(
-        args.linear_kernel,
-        folds=not args.unfolded,
-        tile_activation=args.tile_activation,
-        tile_norm=args.tile_norm,
-    )
+    use_kernels(args)
     use_pdl(args.pdl, args.pdl_tiles)
     cfg = shape(args.shape)
     depths = args.layers or [cfg.num_hidden_layers]
@@ -348,7 +362,9 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         if args.profile:
             profiles = decode_profiles(model, args.batches, torch.cuda.get_device_name(), args.context)
         # the draft steps on the last depth's model (a draft is one layer and the target's lm_head)
-        drafts = draft_figures(model, args)
+        if depth == depths[-1]:
+            with default_kernels(args):
+                drafts = draft_figures(model, args.batches, args.context, args.profile)
         ran_compiled = model.runs_compiled("cached")  # false too where the compile fell back to eager
         del model
         torch.cuda.empty_cache()

@@ -5,7 +5,8 @@ target-only `generate`; the measured speed-up set against the one projected from
 acceptance and `verify_cost_<shape>.json`. Both loops run for `--new` and twice as many tokens;
 the measured speed-up is the second `--new` tokens', so that what a call pays once (the prompts'
 prefill, the same in both loops and not in the model, and the capture of each loop's graphs)
-cancels. `--head eagle3` drafts with a random EAGLE-3
+cancels; those tokens attend over 1,152-1,280 cached tokens where the costs' verifies attend over
+1,024, a small bias toward a lower measured speed-up. `--head eagle3` drafts with a random EAGLE-3
 head instead (its fc over three captured target states, its 2H-input layer and, at a vocabulary of
 100k or more, its default 32,000-row draft vocabulary), projected with the costs' draft step of that
 vocabulary (`draft_step_ms_by_vocab`) where they have one: the check of that part of the model.
@@ -40,7 +41,12 @@ from inference_ref.skinny_linear import load_block_shapes
 from inference_ref.speculative import NO_CLOCK, Chain, SpecStep, draft_prefill, speculative_generate
 from mtp_train.projection import draft_ms, speedup
 
-REPLAYS = 27  # of the loop's step by `loop_step`, at most: its capture's warm-up, 20 timed, 5 profiled
+TIMED_REPLAYS, PROFILED_REPLAYS = 20, 5  # of the loop's step by `loop_step`, after one to warm up
+
+
+def replays(profile: bool) -> int:
+    """The loop's step replayed by `loop_step` (its capture's warm-up restores the lengths)."""
+    return 1 + TIMED_REPLAYS + (PROFILED_REPLAYS if profile else 0)
 
 
 @torch.inference_mode()
@@ -56,47 +62,62 @@ def loop_step(target, draft, prompts: list[list[int]], k: int, new: int, profile
     draft_cache, y = draft_prefill(draft, hidden, prompts, last, max_len)
     step = SpecStep(target, draft, target_cache, draft_cache, k, 0.0, None, NO_CLOCK, graph=True)
     step.start(last, y, torch.ones(len(prompts), dtype=torch.bool, device=last.device))
-    if profile:
-        return replayed_profile(step.cuda_graph, repeats=5)
-    return {"step_ms": replay_ms(step.cuda_graph, repeats=10)}
+    step.cuda_graph.replay()  # the first replay's own costs are not the step's
+    if profile:  # PROFILED_REPLAYS profiled, then TIMED_REPLAYS timed
+        return replayed_profile(step.cuda_graph, repeats=PROFILED_REPLAYS)
+    return {"step_ms": replay_ms(step.cuda_graph, repeats=TIMED_REPLAYS)}
 
 
-LOOP_REPEATS = 3  # timings of each loop and length, interleaved; the median is taken
+LOOP_REPEATS = 3  # timings of each loop at each length, in turn; the medians are taken
 
 
-def timed_loops(target, draft, prompts: list[list[int]], k: int, lengths: tuple[int, ...]):
-    """Seconds of target-only `generate` and of graphed `speculative_generate` (a chain of k) per
-    number of new tokens: the median of `LOOP_REPEATS` timings taken in turn (on run 15's H100 one
-    timing each put the same batch-1 decode step at 5.14 and 5.59 ms in two processes), each loop
-    warmed up at its own length first (a cache of another length is another shape for the
-    attention kernels' plans, which cuDNN builds per shape, and for compiled code: bench_decode met
-    1.85 ms a step that was no host work); and the longest run's stats."""
+def timed_loops(target, draft, prompts: list[list[int]], k: int, short: int) -> tuple[dict, object]:
+    """Target-only `generate` and graphed `speculative_generate` (a chain of k) for `short` and
+    2 · `short` new tokens, each warmed up at its own length first (a cache of another length is
+    another shape for the attention kernels' plans, which cuDNN builds per shape, and for compiled
+    code: bench_decode met 1.85 ms a step that was no host work), then timed `LOOP_REPEATS` times
+    in turn. Returns each loop's median seconds at `short` and the median of its second `short`
+    tokens (the longer call less the shorter, per repeat: every fixed cost of a call cancels: the
+    prefills, the graphs' capture, a one-off such as run 15's 60 ms in one target-only call), and
+    the longer speculative run's stats."""
     no_eos: list[int] = []  # every row runs its full length, as the cost benchmark's do
-    runs = {}
+    lengths, spec_runs = (short, 2 * short), {}
 
-    def loops(n: int) -> dict:
-        return {
-            "base": lambda: generate(target, prompts, n, no_eos),
-            "spec": lambda: runs.update(
-                {n: speculative_generate(target, draft, prompts, n, no_eos, Chain(k), graph=True)}
-            ),
-        }
+    def target_only(n: int) -> None:
+        generate(target, prompts, n, no_eos)
 
+    def speculative(n: int) -> None:
+        spec_runs[n] = speculative_generate(target, draft, prompts, n, no_eos, Chain(k), graph=True)
+
+    loops = {"target_only": target_only, "speculative": speculative}
     for n in lengths:
-        for run in loops(n).values():
-            run()
-    times = {(loop, n): [] for n in lengths for loop in ("base", "spec")}
+        for run in loops.values():
+            run(n)
+    times = {(name, n): [] for name in loops for n in lengths}
     for _ in range(LOOP_REPEATS):
         for n in lengths:
-            for loop, run in loops(n).items():
-                times[loop, n].append(timed(run))
-    median = {key: statistics.median(ts) for key, ts in times.items()}
-    base = {n: median["base", n] for n in lengths}
-    spec = {n: median["spec", n] for n in lengths}
-    return base, spec, runs[max(lengths)].stats
+            for name, run in loops.items():
+                times[name, n].append(timed(lambda run=run, n=n: run(n)))
+    seconds = {}
+    for name in loops:
+        at_short, at_long = times[name, short], times[name, 2 * short]
+        seconds[name] = statistics.median(at_short)
+        seconds[f"{name}_second_half"] = statistics.median(b - a for a, b in zip(at_short, at_long))
+        seconds[f"{name}_fixed"] = statistics.median(2 * a - b for a, b in zip(at_short, at_long))
+    return seconds, spec_runs[2 * short].stats
 
 
-def main() -> None:
+def timed_prefill(target, prompts: list[list[int]], k: int, new: int) -> float:
+    """Seconds of the prompts' prefill alone, run as the loops run it (in inference mode: a tensor
+    outside it is another input to the compiled layers' guards) and warmed up: on 2026-12-07 the
+    cold call outside inference mode compiled the layers again, 5-7 s timed as the prefill."""
+    cache_len = len(prompts[0]) + new + Chain(k).cache_room
+    with torch.inference_mode():
+        prefill(target, prompts, cache_len)
+        return timed(lambda: prefill(target, prompts, cache_len))
+
+
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="smollm2_135m")
     p.add_argument("--batch", type=int, default=80)
@@ -107,17 +128,31 @@ def main() -> None:
     p.add_argument("--block-shapes", help="the skinny maps' block shapes from this JSON instead of timed")
     p.add_argument("--head", default="rmsnorm-restored", choices=("rmsnorm-restored", "eagle3"))
     p.add_argument("--profile", action="store_true", help="also the loop's step by kernel kind")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def read_costs(args: argparse.Namespace) -> tuple[Path, dict]:
+    """The step costs, checked before any run: the batch and the verify of k + 1 tokens in them,
+    and room in `--new` for `loop_step`'s replays where they run."""
+    path = Path(args.costs) if args.costs else RESULTS / f"verify_cost_{args.shape}.json"
+    costs = json.loads(path.read_text())
+    verify = costs["verify_ms"].get(str(args.batch))
+    if verify is None or str(args.k + 1) not in verify:
+        raise SystemExit(
+            f"check_projection: {path} has no verify_ms for batch {args.batch}, {args.k + 1} tokens"
+        )
+    if DEVICE == "cuda" and replays(args.profile) * (args.k + 1) > args.new:
+        raise SystemExit(
+            f"check_projection: --new {args.new} leaves no room for {replays(args.profile)} steps of k + 1 tokens"
+        )
+    return path, costs
+
+
+def main() -> None:
+    args = arguments()
     if args.block_shapes:  # the picks the costs were measured with, so that the two runs agree
         load_block_shapes(args.block_shapes)
-    costs_path = Path(args.costs) if args.costs else RESULTS / f"verify_cost_{args.shape}.json"
-    costs = json.loads(costs_path.read_text())  # read first: a wrong path fails before the runs
-    if REPLAYS * (args.k + 1) > args.new:  # the loop's step replayed alone (`loop_step`)
-        raise SystemExit(
-            f"check_projection: --new {args.new} leaves no room for {REPLAYS} steps of k + 1 tokens"
-        )
-    if str(args.batch) not in costs["verify_ms"]:
-        raise SystemExit(f"check_projection: {costs_path} has no verify_ms for batch {args.batch}")
+    costs_path, costs = read_costs(args)
     cfg = shape(args.shape)
     head = head_spec(args.head, cfg)
     target = TARGET_KINDS[cfg.model_type].random(cfg, DEVICE, DTYPE, 0)
@@ -126,27 +161,17 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (1024,), generator=g).tolist() for _ in range(args.batch)]
     draft = random_draft(target, head)
-    base, spec, stats = timed_loops(target, draft, prompts, args.k, (args.new, 2 * args.new))
-    # both loops start with the same prefill of every prompt, which the model leaves out;
-    # run as the loops run it (in inference mode: a tensor outside it is another input to the
-    # compiled layers' guards) and warmed up: on 2026-12-07 the cold call outside inference
-    # mode compiled the layers again, 5-7 s timed as the prefill
-    cache_len = 1024 + args.new + 2 * args.k + 1
-    with torch.inference_mode():
-        prefill(target, prompts, cache_len)
-        prefill_s = timed(lambda: prefill(target, prompts, cache_len))
+    seconds, stats = timed_loops(target, draft, prompts, args.k, args.new)
+    prefill_s = timed_prefill(target, prompts, args.k, args.new)
+    if prefill_s >= min(seconds["target_only"], seconds["speculative"]):
+        raise SystemExit(f"check_projection: the prefill alone ({prefill_s:.3f} s) took longer than a loop")
     # (a CUDA graph: on a CPU smoke run there is no step to replay)
     step = loop_step(target, draft, prompts, args.k, args.new, args.profile) if DEVICE == "cuda" else None
-    short, long = args.new, 2 * args.new
-    if prefill_s >= min(base[short], spec[short]):
-        raise SystemExit(f"check_projection: the prefill alone ({prefill_s:.3f} s) took longer than a loop")
-    # the second `new` tokens of the longer loops: every fixed cost of a call (the prefills, the
-    # graphs' capture) cancels; run 14 (2026-12-07, an H100) found them 56-143 ms a call, which at
-    # one length read as 0.4-1.1 ms a step
-    measured = (base[long] - base[short]) / (spec[long] - spec[short])
-    vocab = head.draft_vocab_size or None
-    projected = speedup(stats.accept_rate, args.k, costs, str(args.batch), vocab=vocab)
-    b = str(args.batch)
+    # the second `new` tokens: run 14 (2026-12-07, an H100) found each call's fixed costs 56-143
+    # ms, which at one length read as 0.4-1.1 ms a step
+    measured = seconds["target_only_second_half"] / seconds["speculative_second_half"]
+    b, vocab = str(args.batch), head.draft_vocab_size or None
+    projected = speedup(stats.accept_rate, args.k, costs, b, vocab=vocab)
     # the projection's step: one verify of k + 1 tokens and k draft steps
     projected_step = costs["verify_ms"][b][str(args.k + 1)] + draft_ms(costs, b, args.k, vocab=vocab)
     # (a random head's τ is 1: what is checked is the cost accounting, whatever the acceptance)
@@ -166,19 +191,16 @@ def main() -> None:
             "batch": args.batch,
             "k": args.k,
             "new_tokens": args.new,
+            "loop_repeats": LOOP_REPEATS,
             "accept_rate": stats.accept_rate,
             "tau": stats.mean_accepted_len,
             "iterations": stats.iterations,
             "host_ms_per_step": stats.host_ms_per_step,  # the device waits for it (#36: ≤ 0.5 ms)
-            "target_only_s": base,
-            "speculative_s": spec,
+            "seconds": seconds,  # medians: at --new, its second --new tokens, each call's fixed cost
             "prefill_s": prefill_s,
-            # each loop's fixed cost a call, from its two lengths: prefills, graph captures
-            "target_only_fixed_s": 2 * base[short] - base[long],
-            "speculative_fixed_s": 2 * spec[short] - spec[long],
-            "measured_speedup_with_prefill": base[short] / spec[short],
-            # at one length less the prefill alone (runs 12 and 13 reported this one)
-            "measured_speedup_one_length": (base[short] - prefill_s) / (spec[short] - prefill_s),
+            # at one length less the prefill alone (runs 12-14 reported this one)
+            "measured_speedup_one_length": (seconds["target_only"] - prefill_s)
+            / (seconds["speculative"] - prefill_s),
             "measured_speedup": measured,
             "projected_speedup": projected,
             "relative_error": projected / measured - 1,

@@ -122,6 +122,7 @@ def test_the_cost_benchmark_times_the_real_drafts_step():
     import torch
 
     from benchmarks.bench_verify_cost import draft_steps, eagle3_draft_vocab
+    from benchmarks.random_draft import head_spec, random_draft
     from inference_ref.models import TARGET_KINDS
 
     registry = TARGET_KINDS["llama"]
@@ -132,7 +133,7 @@ def test_the_cost_benchmark_times_the_real_drafts_step():
     assert eagle3_draft_vocab(deepseek.config(**{**deepseek.tiny, "vocab_size": 200_000})) == 0
     drafted = {}
     for variant in ("rmsnorm-restored", "eagle3"):
-        ((batch, step),) = draft_steps(target, [3], variant, context=8)
+        ((batch, step),) = draft_steps(random_draft(target, head_spec(variant, cfg)), [3], context=8)
         with torch.inference_mode():
             drafted[variant] = step()
         assert drafted[variant].shape == (batch,)
