@@ -46,6 +46,11 @@
 # Run 13 (2026-12-07, thirteenth session, two H100s, no H200): p (the draft step profiled: the
 # whole vocabulary's lm_head is 61 % of it), then kp kp_b1 kp_b8 with BLOCK_SHAPES (kp now also
 # measures eagle3's 32,000-row draft step: 0.346 ms against 0.659). Next, on an H200: as run 12 says.
+# Runs 14 and 15 (2026-12-07, fourteenth session, two H100s, no H200): kp kp_b1 kp_b8 kp_e3_b1
+# kp_e3_b8 (the projection checked with an EAGLE-3 head; the loop's step replayed alone; run 15 with
+# the real draft's step). Since: the drafts timed under the default kernels, loop_step's warm replay,
+# the loops timed three times in turn. Next, on an H200: ta_*, then kp*, bp*, p, k70_split_skinny;
+# on any GPU: kp kp_b1 kp_b8 kp_e3_b1 kp_e3_b8 again (the fixes, not yet run).
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
