@@ -9,7 +9,8 @@ while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$log.finished" ]; do sleep 10; don
 date; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
 cat "$log.log" 2>/dev/null
 ls "$log/results" 2>/dev/null
-# the finished verify-cost runs, oldest first, as docs/benchmarks.md's rows (benchmarks/step_table.py)
-steps=$(ls -tr "$log"/results/verify_cost_*.json 2>/dev/null)
+# the finished verify-cost runs and projection checks, oldest first, as docs/benchmarks.md's rows
+# (benchmarks/step_table.py)
+steps=$(ls -tr "$log"/results/verify_cost_*.json "$log"/results/projection_check_*.json 2>/dev/null)
 [ -n "$steps" ] && (cd "$(dirname "$0")/.." && python3 -m benchmarks.step_table $steps)
 tar czf "$OUT/speed.tgz" -C "$(dirname "$log")" "$(basename "$log")" && echo "packed $OUT/speed.tgz"

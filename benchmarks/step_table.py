@@ -1,8 +1,11 @@
 """`bench_verify_cost` results side by side, as the markdown rows docs/benchmarks.md reports: per file
 and batch, the decode step's ms (and its share of the weight-read limit) and each verify's cost as a
-multiple of that decode step; #36's bar is 1.1×. For A/Bs run in turn on one GPU:
+multiple of that decode step; #36's bar is 1.1×. `check_projection` results get a table of their
+own: the measured and projected speed-ups, and the loop's replayed step against the projection's.
+For A/Bs run in turn on one GPU:
 
     python -m benchmarks.step_table benchmarks/results/verify_cost_llama3_8b_*_ab*.json
+    python -m benchmarks.step_table benchmarks/results/projection_check_llama3_8b_*_run15.json
 """
 
 from __future__ import annotations
@@ -46,11 +49,62 @@ def table(files: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def check_rows(name: str, result: dict) -> str:
+    """One markdown row of a projection check: speed-ups measured and projected, the loop's
+    replayed step and the projection's (absent before run 14: "–"), the host's work a step."""
+    step = result.get("loop_step") or {}
+    replayed = f"{step['step_ms']:.3f}" if step else "–"
+    projected_step = result.get("projected_step_ms")
+    step_error = result.get("step_relative_error")
+    return (
+        f"| {name} | {result.get('head', 'rmsnorm-restored')} | {result['batch']} "
+        f"| {result['measured_speedup']:.3f} | {result['projected_speedup']:.3f} "
+        f"| {100 * result['relative_error']:+.1f} % | {replayed} "
+        f"| {f'{projected_step:.3f}' if projected_step else '–'} "
+        f"| {f'{100 * step_error:+.1f} %' if step_error is not None else '–'} "
+        f"| {result['host_ms_per_step']:.3f} |"
+    )
+
+
+def checks_table(files: list[Path]) -> str:
+    header = (
+        "| file | head | batch | measured | projected | error | loop step ms | projection's step ms "
+        "| step error | host ms a step |"
+    )
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
+    for file in files:
+        result = json.loads(file.read_text())
+        if "projected_speedup" not in result:
+            raise ValueError(f"{file}: no 'projected_speedup' (not a check_projection result)")
+        lines.append(check_rows(file.stem.removeprefix("projection_check_"), result))
+    return "\n".join(lines)
+
+
+def tables(files: list[Path]) -> str:
+    """The verify costs' table and the projection checks' table, for whichever of each `files` has,
+    in the order given."""
+    kinds = {"verify": [], "check": []}
+    for file in files:
+        result = json.loads(file.read_text())
+        if "verify_ms" in result:
+            kinds["verify"].append(file)
+        elif "projected_speedup" in result:
+            kinds["check"].append(file)
+        else:
+            raise ValueError(f"{file}: neither a bench_verify_cost nor a check_projection result")
+    parts = [table(kinds["verify"])] if kinds["verify"] else []
+    if kinds["check"]:
+        parts.append(checks_table(kinds["check"]))
+    return "\n\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="+", type=Path, help="bench_verify_cost JSONs, in the order run")
+    p.add_argument(
+        "files", nargs="+", type=Path, help="bench_verify_cost and check_projection JSONs, in the order run"
+    )
     try:
-        print(table(p.parse_args(argv).files))
+        print(tables(p.parse_args(argv).files))
     except ValueError as e:
         raise SystemExit(f"step_table: {e}") from None
 
