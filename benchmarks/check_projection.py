@@ -39,7 +39,7 @@ from inference_ref.generate import generate, last_logits, prefill
 from inference_ref.models import TARGET_KINDS
 from inference_ref.skinny_linear import load_block_shapes
 from inference_ref.speculative import NO_CLOCK, Chain, SpecStep, draft_prefill, speculative_generate
-from mtp_train.projection import draft_ms, speedup
+from mtp_train.projection import chain_step_ms, speedup
 
 TIMED_REPLAYS, PROFILED_REPLAYS = 20, 5  # of the loop's step by `loop_step`, after one to warm up
 
@@ -172,8 +172,7 @@ def main() -> None:
     measured = seconds["target_only_second_half"] / seconds["speculative_second_half"]
     b, vocab = str(args.batch), head.draft_vocab_size or None
     projected = speedup(stats.accept_rate, args.k, costs, b, vocab=vocab)
-    # the projection's step: one verify of k + 1 tokens and k draft steps
-    projected_step = costs["verify_ms"][b][str(args.k + 1)] + draft_ms(costs, b, args.k, vocab=vocab)
+    projected_step = chain_step_ms(costs, b, args.k, vocab=vocab)  # the step `speedup` divides by
     # (a random head's τ is 1: what is checked is the cost accounting, whatever the acceptance)
     write_result(
         f"projection_check_{args.shape}_b{args.batch}_k{args.k}"

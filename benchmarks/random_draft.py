@@ -10,19 +10,21 @@ import torch
 
 from inference_ref.draft import load_draft
 from inference_ref.draft_base import Draft
-from inference_ref.head_spec import HEAD_KINDS, HeadSpec, default_aux_layers
+from inference_ref.head_spec import HEAD_KINDS, HeadSpec
 from mtp_train.export import save_head
 from mtp_train.heads import build
 
 
 def head_spec(variant: str, cfg) -> HeadSpec:
-    """A head of `variant` for a target of `cfg`: an EAGLE-3 head's aux layers and draft vocabulary
-    are its kind's defaults (32,000 rows on a vocabulary of 100k or more)."""
-    if not HEAD_KINDS[variant].fuses_aux:
-        return HeadSpec(variant, cfg)
-    draft_vocab = HEAD_KINDS[variant].default_draft_vocab(cfg.vocab_size)
+    """A head of `variant` for a target of `cfg`, its kind's defaults for the rest: the aux layers
+    and draft vocabulary an EAGLE-3 head reads and scores (32,000 rows on a vocabulary of 100k or
+    more), none for the kinds without them."""
+    kind = HEAD_KINDS[variant]
     return HeadSpec(
-        variant, cfg, aux_layers=default_aux_layers(cfg.num_hidden_layers), draft_vocab_size=draft_vocab
+        variant,
+        cfg,
+        aux_layers=kind.aux_layers(None, cfg.num_hidden_layers),
+        draft_vocab_size=kind.default_draft_vocab(cfg.vocab_size),
     )
 
 

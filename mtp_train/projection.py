@@ -55,9 +55,17 @@ def speedup(
 ) -> float:
     """`passes`: draft forwards per verify (None: k, a chained head's), of `layers` layers each;
     `vocab`: the head's draft vocabulary (None: the target's)."""
-    verify = costs["verify_ms"][batch]
-    step = verify[str(k + 1)] + draft_ms(costs, batch, k if passes is None else passes, layers, vocab)
-    return tau(rates, k) * verify["1"] / step
+    step = chain_step_ms(costs, batch, k, passes, layers, vocab)
+    return tau(rates, k) * costs["verify_ms"][batch]["1"] / step
+
+
+def chain_step_ms(
+    costs: dict, batch: str, k: int, passes: int | None = None, layers: int = 1, vocab: int | None = None
+) -> float:
+    """One speculative step of a chain of k: the measured verify of k + 1 tokens and the draft's
+    forwards (`speedup`'s arguments)."""
+    forwards = k if passes is None else passes
+    return costs["verify_ms"][batch][str(k + 1)] + draft_ms(costs, batch, forwards, layers, vocab)
 
 
 def draft_ms(costs: dict, batch: str, forwards: int, layers: int = 1, vocab: int | None = None) -> float:
