@@ -38,64 +38,67 @@ def rows(name: str, result: dict) -> list[str]:
     return lines
 
 
-def table(files: list[Path]) -> str:
-    header = "| file | options | batch | decode ms (read limit) | verify / decode by new tokens |"
-    lines = [header, "|---|---|---|---|---|"]
-    for file in files:
-        result = json.loads(file.read_text())
-        if "verify_ms" not in result:
-            raise ValueError(f"{file}: no 'verify_ms' (not a bench_verify_cost result)")
-        lines += rows(file.stem.removeprefix("verify_cost_"), result)
-    return "\n".join(lines)
-
-
-def check_rows(name: str, result: dict) -> str:
-    """One markdown row of a projection check: speed-ups measured and projected, the loop's
+def check_rows(name: str, result: dict) -> list[str]:
+    """A projection check's markdown row: speed-ups measured and projected, the loop's
     replayed step and the projection's (absent before run 14: "–"), the host's work a step."""
     step = result.get("loop_step") or {}
     replayed = f"{step['step_ms']:.3f}" if step else "–"
     projected_step = result.get("projected_step_ms")
     step_error = result.get("step_relative_error")
-    return (
+    return [
         f"| {name} | {result.get('head', 'rmsnorm-restored')} | {result['batch']} "
         f"| {result['measured_speedup']:.3f} | {result['projected_speedup']:.3f} "
         f"| {100 * result['relative_error']:+.1f} % | {replayed} "
         f"| {f'{projected_step:.3f}' if projected_step else '–'} "
         f"| {f'{100 * step_error:+.1f} %' if step_error is not None else '–'} "
         f"| {result['host_ms_per_step']:.3f} |"
-    )
+    ]
 
 
-def checks_table(files: list[Path]) -> str:
-    header = (
+TABLES = {  # the field a result of the kind has → its file prefix, header, rows
+    "verify_ms": (
+        "verify_cost_",
+        "| file | options | batch | decode ms (read limit) | verify / decode by new tokens |",
+        rows,
+    ),
+    "projected_speedup": (
+        "projection_check_",
         "| file | head | batch | measured | projected | error | loop step ms | projection's step ms "
-        "| step error | host ms a step |"
-    )
-    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
-    for file in files:
-        result = json.loads(file.read_text())
-        if "projected_speedup" not in result:
-            raise ValueError(f"{file}: no 'projected_speedup' (not a check_projection result)")
-        lines.append(check_rows(file.stem.removeprefix("projection_check_"), result))
+        "| step error | host ms a step |",
+        check_rows,
+    ),
+}
+
+
+def markdown(field: str, named: list[tuple[Path, dict]]) -> str:
+    """The table of `TABLES[field]`'s kind, one file's rows after another."""
+    prefix, header, make = TABLES[field]
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for file, result in named:
+        lines += make(file.stem.removeprefix(prefix), result)
     return "\n".join(lines)
+
+
+def table(files: list[Path]) -> str:
+    """The verify costs' table."""
+    named = [(file, json.loads(file.read_text())) for file in files]
+    for file, result in named:
+        if "verify_ms" not in result:
+            raise ValueError(f"{file}: no 'verify_ms' (not a bench_verify_cost result)")
+    return markdown("verify_ms", named)
 
 
 def tables(files: list[Path]) -> str:
     """The verify costs' table and the projection checks' table, for whichever of each `files` has,
     in the order given."""
-    kinds = {"verify": [], "check": []}
+    kinds: dict[str, list] = {field: [] for field in TABLES}
     for file in files:
         result = json.loads(file.read_text())
-        if "verify_ms" in result:
-            kinds["verify"].append(file)
-        elif "projected_speedup" in result:
-            kinds["check"].append(file)
-        else:
+        field = next((field for field in TABLES if field in result), None)
+        if field is None:
             raise ValueError(f"{file}: neither a bench_verify_cost nor a check_projection result")
-    parts = [table(kinds["verify"])] if kinds["verify"] else []
-    if kinds["check"]:
-        parts.append(checks_table(kinds["check"]))
-    return "\n\n".join(parts)
+        kinds[field].append((file, result))
+    return "\n\n".join(markdown(field, named) for field, named in kinds.items() if named)
 
 
 def main(argv: list[str] | None = None) -> None:
