@@ -3,7 +3,7 @@
 SmolLM2-135M layer and its lm_head at 1 to 8 rows (a draft step or a verify of a batch of a few
 prompts: the tests', the demo's and `validate`'s decoding on a CPU); then the speculative loop
 with the published eagle3 head on the first 3 MT-bench questions (64 new tokens, k = 4, as
-tests/test_published_heads.py decodes them), with the rule off (`F.linear` everywhere) and on, in
+tests/test_vllm.py decodes them), with the rule off (`F.linear` everywhere) and on, in
 turn, twice.
 
     python -m benchmarks.bench_cpu_linear [--threads 2] [--seconds 0.5]
