@@ -46,8 +46,8 @@ def tiny_target(smollm2, tmp_path_factory):
 def one_vllm_child():
     """The session's vLLM engines all run in one kept child process (`vllm_engine.keep_child`):
     vLLM's import (~15 s on 2 cores) is paid once, not by each of the requests that serve (test_vllm's
-    published heads in one, its Qwen3 heads one each as they are trained; its validation test takes
-    the one-child-per-call path that `validate.engine=vllm` takes outside the tests)."""
+    published heads in one, its Qwen3 heads one each as they are trained, its validation test's;
+    outside the tests `validate.engine=vllm` starts a child per call)."""
     from mtp_train.serving import vllm_engine
 
     vllm_engine.keep_child(True)

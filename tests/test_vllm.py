@@ -204,13 +204,13 @@ def test_validation_through_vllm_reports_the_engine_gap(smollm2, tmp_path, monke
     """`validate.engine=vllm` on the published restored head: both turns of two MT-bench prompts
     (turn 2 with the target's own answer as context), greedy and T=1, through our loop and vLLM;
     greedy counts equal and the answers identical to vLLM's target alone; sampled, the gap reported.
-    In a child of its own, as outside the tests (not the session's kept one). validate.dtype is
-    auto (the recipes' default), which the export and the engine must see resolved (fp32 here: no
+    In the session's kept child (outside the tests each call starts its own: the same `child()`,
+    tests/test_vllm_requests.py runs both ways; vLLM's import, ~15 s, is paid once). validate.dtype
+    is auto (the recipes' default), which the export and the engine must see resolved (fp32 here: no
     AMX assumed)."""
     from mtp_train import target_files
     from mtp_train.validate import run_validation, summary
 
-    monkeypatch.setattr(vllm_engine, "_kept", None)
     monkeypatch.setattr(target_files, "cpu_has_fast_bf16", lambda: False)
     base, k = tmp_path, 3
     cfg = recipe(
