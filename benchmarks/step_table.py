@@ -79,15 +79,6 @@ def markdown(field: str, named: list[tuple[Path, dict]]) -> str:
     return "\n".join(lines)
 
 
-def table(files: list[Path]) -> str:
-    """The verify costs' table."""
-    named = [(file, json.loads(file.read_text())) for file in files]
-    for file, result in named:
-        if "verify_ms" not in result:
-            raise ValueError(f"{file}: no 'verify_ms' (not a bench_verify_cost result)")
-    return markdown("verify_ms", named)
-
-
 def tables(files: list[Path]) -> str:
     """The verify costs' table and the projection checks' table, for whichever of each `files` has,
     in the order given."""
