@@ -436,7 +436,8 @@ class ExportConfig:
     """Where the exported layouts go."""
     formats: list[str] = field(default_factory=lambda: ["native"])
     """Layouts to write: `native`, and the engine layouts the head's kind lists (`HeadKind.layouts`):
-    `deepseek_mtp` (restored), `eagle1`, `eagle3` and `speculators` (eagle3); docs/export.md."""
+    `vllm` (every kind: what tests/test_vllm.py serves), `deepseek_mtp` (restored), `eagle1`,
+    `eagle3` and `speculators` (eagle3); docs/export.md."""
     store_shared: bool = False
     """Also store the embeddings and lm_head (they are normally shared with the target)."""
     dtype: str = "bfloat16"
