@@ -51,6 +51,9 @@
 # the real draft's step). Since: the drafts timed under the default kernels, loop_step's warm replay,
 # the loops timed three times in turn. Next, on an H200: ta_*, then kp*, bp*, p, k70_split_skinny;
 # on any GPU: kp kp_b1 kp_b8 kp_e3_b1 kp_e3_b8 again (the fixes, not yet run).
+# Run 16 (2026-12-07, sixteenth session, an H100, no H200): kp kp_b1 kp_b8 kp_e3_b1 kp_e3_b8 with
+# the fixes: the projection within 2.3 % of the loop. Next, on an H200: ta_*, then bp*, p,
+# k70_split_skinny.
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
