@@ -3,10 +3,10 @@
 SmolLM2-135M layer and its lm_head at 1 to 8 rows (a draft step or a verify of a batch of a few
 prompts: the tests', the demo's and `validate`'s decoding on a CPU); then the speculative loop
 with the published eagle3 head on the first 3 MT-bench questions (64 new tokens, k = 4, as
-tests/test_vllm.py decodes them), with the rule off (`F.linear` everywhere) and on, in
-turn, twice.
+tests/test_vllm.py decodes them), with the rule off (`F.linear` everywhere) and on (each map's
+product as timed on this machine), in turn, twice.
 
-    python -m benchmarks.bench_cpu_linear [--threads 2] [--seconds 0.5]
+    python -m benchmarks.bench_cpu_linear [--threads 2] [--seconds 0.5] [--tag xeon]
 
 Each map's figure is the median over repeats of one call; the two are timed in turn, in one process.
 """
@@ -58,13 +58,24 @@ def measure(seconds: float) -> dict:
 
 
 def compared(linear: torch.nn.Linear, x: torch.Tensor, seconds: float) -> dict:
+    """x · Wᵀ, (W · xᵀ)ᵀ, and `apply_linear` (the product it timed faster on this machine)."""
     plain = ms_per_call(lambda: F.linear(x, linear.weight), seconds)
+    transposed = ms_per_call(lambda: (linear.weight @ x.T).T, seconds)
     ours = ms_per_call(lambda: apply_linear(linear, x), seconds)
     return {
         "f_linear_ms": round(plain, 4),
+        "transposed_ms": round(transposed, 4),
         "apply_linear_ms": round(ours, 4),
         "speedup": round(plain / ours, 2),
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), which `write_result`'s device leaves empty on some hosts."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return ""
 
 
 @contextlib.contextmanager
@@ -111,10 +122,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seconds", type=float, default=0.5, help="time spent on each figure")
+    parser.add_argument("--tag", default="", help="appended to the result's name (another CPU's run)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     maps = measure(args.seconds)
-    write_result("cpu_linear_smollm2_135m", {"threads": args.threads, "maps": maps, "loop": measure_loop()})
+    write_result(
+        "cpu_linear_smollm2_135m" + (f"_{args.tag}" if args.tag else ""),
+        {"cpu": cpu_model(), "threads": args.threads, "maps": maps, "loop": measure_loop()},
+    )
 
 
 if __name__ == "__main__":
