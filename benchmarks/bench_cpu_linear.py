@@ -3,8 +3,8 @@
 SmolLM2-135M layer and its lm_head at 1 to 8 rows (a draft step or a verify of a batch of a few
 prompts: the tests', the demo's and `validate`'s decoding on a CPU); then the speculative loop
 with the published eagle3 head on the first 3 MT-bench questions (64 new tokens, k = 4, as
-tests/test_vllm.py decodes them), with the rule off (`F.linear` everywhere) and on (each map's
-product as timed on this machine), in turn, twice.
+tests/test_vllm.py decodes them), with the rule off (`F.linear` everywhere) and on, in turn,
+twice: both whatever this CPU's vendor picks (`cpu_linear.TRANSPOSED`, recorded beside them).
 
     python -m benchmarks.bench_cpu_linear [--threads 2] [--seconds 0.5] [--tag xeon]
 
@@ -58,35 +58,34 @@ def measure(seconds: float) -> dict:
 
 
 def compared(linear: torch.nn.Linear, x: torch.Tensor, seconds: float) -> dict:
-    """x · Wᵀ, (W · xᵀ)ᵀ, and `apply_linear` (the product it timed faster on this machine)."""
+    """x · Wᵀ against `apply_linear` with the rule on ((W · xᵀ)ᵀ at the rows it covers)."""
     plain = ms_per_call(lambda: F.linear(x, linear.weight), seconds)
-    transposed = ms_per_call(lambda: (linear.weight @ x.T).T, seconds)
-    ours = ms_per_call(lambda: apply_linear(linear, x), seconds)
+    with transposing(True):
+        ours = ms_per_call(lambda: apply_linear(linear, x), seconds)
     return {
         "f_linear_ms": round(plain, 4),
-        "transposed_ms": round(transposed, 4),
         "apply_linear_ms": round(ours, 4),
         "speedup": round(plain / ours, 2),
     }
 
 
 def cpu_model() -> str:
-    """The CPU's model name (Linux), which `write_result`'s device leaves empty on some hosts."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return ""
+    """The CPU's model name and vendor (Linux), which `write_result`'s device leaves empty."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    return " ".join(fields.get(f"{key}\t", "").strip() for key in ("vendor_id", "model name"))
 
 
 @contextlib.contextmanager
-def rule_off():
-    """`apply_linear` as `F.linear` for any rows (what the layers computed before it)."""
-    rows = cpu_linear.MAX_ROWS, cpu_linear.VOCAB_MAX_ROWS
-    cpu_linear.MAX_ROWS = cpu_linear.VOCAB_MAX_ROWS = 0
+def transposing(on: bool):
+    """`apply_linear` with the rule on (a few rows as (W · xᵀ)ᵀ) or off (`F.linear` for any rows),
+    whatever this CPU's vendor says (`cpu_linear.TRANSPOSED`)."""
+    machine = cpu_linear.TRANSPOSED
+    cpu_linear.TRANSPOSED = on
     try:
         yield
     finally:
-        cpu_linear.MAX_ROWS, cpu_linear.VOCAB_MAX_ROWS = rows
+        cpu_linear.TRANSPOSED = machine
 
 
 def measure_loop() -> dict:
@@ -109,7 +108,7 @@ def measure_loop() -> dict:
     eos = eos_ids(target, tokenizer)
     seconds, counts = {"off": [], "on": []}, set()
     for setting in ("off", "on", "off", "on"):
-        with rule_off() if setting == "off" else contextlib.nullcontext():
+        with transposing(setting == "on"):
             start = time.perf_counter()
             stats = speculative_generate(target, draft, ids, 64, eos, Chain(4)).stats
             seconds[setting].append(round(time.perf_counter() - start, 2))
@@ -128,7 +127,13 @@ def main(argv: list[str] | None = None) -> None:
     maps = measure(args.seconds)
     write_result(
         "cpu_linear_smollm2_135m" + (f"_{args.tag}" if args.tag else ""),
-        {"cpu": cpu_model(), "threads": args.threads, "maps": maps, "loop": measure_loop()},
+        {
+            "cpu": cpu_model(),
+            "rule_on_this_cpu": cpu_linear.TRANSPOSED,
+            "threads": args.threads,
+            "maps": maps,
+            "loop": measure_loop(),
+        },
     )
 
 

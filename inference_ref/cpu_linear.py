@@ -9,16 +9,16 @@ That is every draft step of a batch of a few prompts, and the verify steps of on
 the demo and `validate` on a CPU. Both are MKL's fp32 dot products; their sums differ in order
 only (last bits: the published heads' greedy counts are unchanged).
 
-On a 2-core Intel Xeon with AMX the opposite holds: MKL's x · Wᵀ is the fast one and (W · xᵀ)ᵀ
-costs 1.1–4.8× more at 2–6 rows, the loop 1.2–1.3× (docs/benchmarks.md). So the product is
-chosen on the machine: each map's shape at each row count and thread count is timed both ways on
-its first call, and (W · xᵀ)ᵀ kept only where it is at least `MARGIN` times faster (a near tie
-keeps the module's own product, whichever way the timing's noise falls)."""
+On an Intel CPU MKL dispatches its own kernels and x · Wᵀ is the fast product: on a 2-core Intel
+Xeon (AVX-512, AMX) (W · xᵀ)ᵀ cost 2–8× more at 2–3 rows and the loop 1.3× more
+(docs/benchmarks.md). So the
+product follows the CPU's vendor (`TRANSPOSED`), fixed per machine rather than timed, so that two
+processes or two runs on one machine compute the same bits (ranks of a sharded target, the exact
+counts the tests compare)."""
 
 from __future__ import annotations
 
-import statistics
-import time
+from pathlib import Path
 
 import torch
 
@@ -26,22 +26,31 @@ MAX_ROWS = 4
 """Rows up to which a map is computed as (W · xᵀ)ᵀ (from 2: one row is a matrix-vector product)."""
 VOCAB_ROWS, VOCAB_MAX_ROWS = 16384, 8
 """A map of at least VOCAB_ROWS outputs (an lm_head) up to VOCAB_MAX_ROWS rows."""
-MARGIN = 1.2
-"""How much faster (W · xᵀ)ᵀ must time than x · Wᵀ to be chosen."""
-TIMED_CALLS = 5
-"""Calls timed each way (after one warm-up), the median kept."""
-_transposed_wins: dict[tuple[int, int, int, bool, int], bool] = {}
-"""The timed choice by (out, in, rows, bias, threads): whether (W · xᵀ)ᵀ was chosen."""
+
+
+def transposes_few_rows(cpuinfo: str) -> bool:
+    """Whether a CPU whose /proc/cpuinfo reads `cpuinfo` computes a few rows as (W · xᵀ)ᵀ: any but
+    an Intel one (measured: an AMD EPYC, where MKL's x · Wᵀ is slow at 2–8 rows, and an Intel Xeon,
+    where it is the fast one). Unknown (no /proc/cpuinfo): as on the AMD EPYC."""
+    vendors = {line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("vendor_id")}
+    return vendors != {"GenuineIntel"}
+
+
+TRANSPOSED = transposes_few_rows(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
+"""Whether this machine computes a plain fp32 map of a few rows as (W · xᵀ)ᵀ (`transposes_few_rows`)."""
 
 
 def apply_linear(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`linear(x)`, as (W · xᵀ)ᵀ where that is faster: a plain fp32 `nn.Linear` on a CPU, for
-    the few rows of `_few_rows` where this machine timed it faster, outside compiled code (whose
-    graphs must not branch on a batch they keep dynamic). Any other module (FP8, tensor-parallel,
-    hooked) runs as it is."""
+    """`linear(x)`, as (W · xᵀ)ᵀ where that is faster: a plain fp32 `nn.Linear` on a CPU that
+    `TRANSPOSED` names, for the few rows of `_few_rows`, outside compiled code (whose graphs must
+    not branch on a batch they keep dynamic). Any other module (FP8, tensor-parallel, hooked) runs
+    as it is."""
     if not _few_rows(linear, x):
         return linear(x)
-    out = _transposed(linear, x.reshape(-1, x.shape[-1]))
+    rows = x.reshape(-1, x.shape[-1])
+    out = (linear.weight @ rows.T).T
+    if linear.bias is not None:
+        out = out + linear.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -57,7 +66,8 @@ def plain_linear(linear: torch.nn.Module) -> bool:
 
 def _few_rows(linear: torch.nn.Module, x: torch.Tensor) -> bool:
     if not (
-        plain_linear(linear)
+        TRANSPOSED
+        and plain_linear(linear)
         and not torch.compiler.is_compiling()  # Inductor picks its own kernels, for any rows
         and x.device.type == "cpu"
         and x.dtype == linear.weight.dtype == torch.float32
@@ -65,32 +75,4 @@ def _few_rows(linear: torch.nn.Module, x: torch.Tensor) -> bool:
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     most = VOCAB_MAX_ROWS if linear.out_features >= VOCAB_ROWS else MAX_ROWS
-    return 2 <= rows <= most and _transposed_faster(linear, x.reshape(rows, x.shape[-1]))
-
-
-def _transposed_faster(linear: torch.nn.Linear, x: torch.Tensor) -> bool:
-    """Whether (W · xᵀ)ᵀ is at least `MARGIN` times faster than x · Wᵀ for this map at x's rows,
-    timed on the first call of its shape (on that call's x: the cost does not depend on values)."""
-    rows = x.shape[0]
-    key = (linear.out_features, linear.in_features, rows, linear.bias is not None, torch.get_num_threads())
-    if key not in _transposed_wins:
-        with torch.no_grad():
-            plain = _median_ms(lambda: linear(x))
-            transposed = _median_ms(lambda: _transposed(linear, x))
-        _transposed_wins[key] = transposed * MARGIN <= plain
-    return _transposed_wins[key]
-
-
-def _transposed(linear: torch.nn.Linear, rows: torch.Tensor) -> torch.Tensor:
-    out = (linear.weight @ rows.T).T
-    return out if linear.bias is None else out + linear.bias
-
-
-def _median_ms(call) -> float:
-    call()
-    times = []
-    for _ in range(TIMED_CALLS):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return 2 <= rows <= most

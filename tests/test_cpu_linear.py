@@ -1,6 +1,5 @@
 """`inference_ref.cpu_linear.apply_linear`: a plain fp32 map of a few rows on a CPU computed as
-(W · xᵀ)ᵀ where this machine timed that faster, everything else as the module computes it (speed:
-`benchmarks/bench_cpu_linear.py`)."""
+(W · xᵀ)ᵀ, everything else as the module computes it (speed: `benchmarks/bench_cpu_linear.py`)."""
 
 from __future__ import annotations
 
@@ -9,21 +8,25 @@ import torch
 import torch.nn.functional as F
 
 from inference_ref import cpu_linear
-from inference_ref.cpu_linear import MAX_ROWS, VOCAB_MAX_ROWS, VOCAB_ROWS, _few_rows, apply_linear
+from inference_ref.cpu_linear import (
+    MAX_ROWS,
+    VOCAB_MAX_ROWS,
+    VOCAB_ROWS,
+    _few_rows,
+    apply_linear,
+    transposes_few_rows,
+)
 
 
 @pytest.fixture
-def choice(monkeypatch):
-    """The timed choice made afresh in the test and forgotten after it; returns a setter of
-    `MARGIN` (0: (W · xᵀ)ᵀ wherever it may be used; infinite: never)."""
-    monkeypatch.setattr(cpu_linear, "_transposed_wins", {})
-    return lambda margin: monkeypatch.setattr(cpu_linear, "MARGIN", margin)
+def transposing(monkeypatch):
+    """The rule on, whatever this machine's CPU (an Intel one keeps x · Wᵀ)."""
+    monkeypatch.setattr(cpu_linear, "TRANSPOSED", True)
 
 
 @pytest.mark.parametrize("out_features", [96, VOCAB_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
-def test_few_rows_are_transposed_products_and_the_rest_the_module(out_features, bias, choice):
-    choice(0.0)
+def test_few_rows_are_transposed_products_and_the_rest_the_module(out_features, bias, transposing):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, out_features, bias=bias)
     most = VOCAB_MAX_ROWS if out_features >= VOCAB_ROWS else MAX_ROWS
@@ -37,9 +40,8 @@ def test_few_rows_are_transposed_products_and_the_rest_the_module(out_features, 
         torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_other_modules_dtypes_and_hooked_maps_run_as_they_are(choice):
+def test_other_modules_dtypes_and_hooked_maps_run_as_they_are(transposing):
     # the choice is asserted, not only the output: in bf16 at this shape both ways give the same bits
-    choice(0.0)
     linear = torch.nn.Linear(32, 48, bias=False)
     x = torch.randn(3, 32)
     assert _few_rows(linear, x)  # the control: a plain fp32 map of 3 rows takes the transposed product
@@ -61,37 +63,13 @@ def test_other_modules_dtypes_and_hooked_maps_run_as_they_are(choice):
     assert torch.equal(apply_linear(scaled, x), scaled(x))
 
 
-def test_the_product_is_the_one_timed_faster_by_the_margin_and_timed_once(choice, monkeypatch):
-    """(W · xᵀ)ᵀ where it timed at least MARGIN times faster, else the module's own product; each
-    map shape, row count and thread count timed once."""
-    choice(1.2)
-    timed, speedup = [], {"now": 1.0}
-
-    def scripted_ms(call) -> float:  # called for x · Wᵀ, then for (W · xᵀ)ᵀ
-        timed.append(call)
-        return 1.0 if len(timed) % 2 else 1.0 / speedup["now"]
-
-    monkeypatch.setattr(cpu_linear, "_median_ms", scripted_ms)
-    linear = torch.nn.Linear(64, 96, bias=False)
-    for rows, faster in ((2, 1.3), (3, 1.1)):
-        speedup["now"] = faster
-        for _ in range(2):
-            assert _few_rows(linear, torch.randn(rows, 64)) == (faster >= 1.2), rows
-    assert len(timed) == 4  # two row counts, each timed both ways once
-    assert torch.equal(apply_linear(linear, torch.ones(3, 64)), linear(torch.ones(3, 64)))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads + 1)  # another thread count is timed again
-        speedup["now"] = 2.0
-        assert _few_rows(linear, torch.randn(3, 64)) and len(timed) == 6
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_infinite_margin_keeps_the_module_product(choice):
-    choice(float("inf"))
+def test_an_intel_cpu_keeps_the_modules_product(monkeypatch):
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\nprocessor\t: 1\nvendor_id\t: GenuineIntel\n"
+    assert not transposes_few_rows(intel)
+    assert transposes_few_rows(intel.replace("GenuineIntel", "AuthenticAMD"))
+    assert transposes_few_rows("")  # no /proc/cpuinfo: as on the AMD EPYC the rule was measured on
+    monkeypatch.setattr(cpu_linear, "TRANSPOSED", False)
     linear = torch.nn.Linear(64, VOCAB_ROWS, bias=False)
-    for rows in range(1, VOCAB_MAX_ROWS + 1):
-        x = torch.randn(rows, 64)
-        assert not _few_rows(linear, x)
-        assert torch.equal(apply_linear(linear, x), linear(x))
+    x = torch.randn(3, 64)
+    assert not _few_rows(linear, x)
+    assert torch.equal(apply_linear(linear, x), linear(x))
