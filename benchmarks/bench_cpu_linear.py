@@ -71,8 +71,7 @@ def compared(linear: torch.nn.Linear, x: torch.Tensor, seconds: float) -> dict:
 
 def cpu_model() -> str:
     """The CPU's model name and vendor (Linux), which `write_result`'s device leaves empty."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = dict(line.split(":", 1) for line in cpu_linear.cpuinfo().splitlines() if ":" in line)
     return " ".join(fields.get(f"{key}\t", "").strip() for key in ("vendor_id", "model name"))
 
 

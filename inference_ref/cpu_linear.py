@@ -27,6 +27,14 @@ VOCAB_ROWS, VOCAB_MAX_ROWS = 16384, 8
 """A map of at least VOCAB_ROWS outputs (an lm_head) up to VOCAB_MAX_ROWS rows."""
 
 
+def cpuinfo() -> str:
+    """/proc/cpuinfo's text; empty where there is none (not Linux)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def transposes_few_rows(cpuinfo: str) -> bool:
     """Whether a CPU whose /proc/cpuinfo reads `cpuinfo` computes a few rows as (W · xᵀ)ᵀ: any but
     an Intel one (measured: an AMD EPYC, where MKL's x · Wᵀ is slow at 2–8 rows, and an Intel Xeon,
@@ -35,7 +43,7 @@ def transposes_few_rows(cpuinfo: str) -> bool:
     return vendors != {"GenuineIntel"}
 
 
-TRANSPOSED = transposes_few_rows(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
+TRANSPOSED = transposes_few_rows(cpuinfo())
 """Whether this machine computes a plain fp32 map of a few rows as (W · xᵀ)ᵀ (`transposes_few_rows`)."""
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from inference_ref.cpu_linear import cpuinfo
 from inference_ref.gguf import convert_gguf
 from inference_ref.target import TARGET_KINDS, TargetConfig, read_target_config
 from mtp_train.demo_target import cache_dir, smollm2_dir
@@ -129,10 +130,7 @@ def default_device() -> torch.device:
 def cpu_has_fast_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices natively (Intel AMX): there bf16 runs the target
     about 2.7× faster than fp32 (SmolLM2 forward, 2 cores), elsewhere it is slower."""
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    return "amx_bf16" in cpuinfo()
 
 
 def model_dtype(name: str, device: torch.device) -> torch.dtype:
