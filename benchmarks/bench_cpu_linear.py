@@ -8,6 +8,10 @@ twice: both whatever this CPU's vendor picks (`cpu_linear.TRANSPOSED`, recorded 
 
     python -m benchmarks.bench_cpu_linear [--threads 2] [--seconds 0.5] [--tag xeon]
 
+Another CPU's instruction sets can be stood in for on this one: `MKL_ENABLE_INSTRUCTIONS=AVX2
+ATEN_CPU_CAPABILITY=avx2` before the command runs MKL's and PyTorch's AVX2 kernels (an AVX2 CPU
+without AMX on an AVX-512 one); the result records both (`isa`).
+
 Each map's figure is the median over repeats of one call; the two are timed in turn, in one process.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 from pathlib import Path
@@ -75,6 +80,14 @@ def cpu_model() -> str:
     return " ".join(fields.get(f"{key}\t", "").strip() for key in ("vendor_id", "model name"))
 
 
+def isa() -> dict:
+    """The instruction sets this run's kernels used: PyTorch's own, and MKL's limit if one is set."""
+    return {
+        "aten": torch.backends.cpu.get_cpu_capability(),
+        "mkl_limit": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
+    }
+
+
 @contextlib.contextmanager
 def transposing(on: bool):
     """`apply_linear` with the rule on (a few rows as (W · xᵀ)ᵀ) or off (`F.linear` for any rows),
@@ -129,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         {
             "cpu": cpu_model(),
             "rule_on_this_cpu": cpu_linear.TRANSPOSED,
+            "isa": isa(),
             "threads": args.threads,
             "maps": maps,
             "loop": measure_loop(),
