@@ -43,7 +43,14 @@ from benchmarks.random_draft import head_spec, random_draft
 from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
 from inference_ref.head_spec import HEAD_KINDS
 from inference_ref.models import TARGET_KINDS
-from inference_ref.skinny_linear import LINEAR_KERNELS, load_block_shapes, tuned_configs, use_linear_kernel
+from inference_ref.skinny_linear import (
+    IN_GRAPHS,
+    LINEAR_KERNELS,
+    load_block_shapes,
+    recording_graph,
+    tuned_configs,
+    use_linear_kernel,
+)
 from inference_ref.triton_support import use_pdl
 
 BATCHES = (1, 8, 32, 64)
@@ -55,12 +62,12 @@ def captured(fn) -> torch.cuda.CUDAGraph:
     """`fn` captured as a CUDA graph (after two eager warm-ups on a side stream) and replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with recording_graph(), torch.cuda.stream(side):
         fn()
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with recording_graph(), torch.cuda.graph(graph):
         fn()
     graph.replay()
     return graph
@@ -178,7 +185,7 @@ def default_kernels(args: argparse.Namespace):
     """The linear and cached-attention kernels at their defaults ("auto") for a while, as the loop
     runs its eager draft; then the command line's again."""
     use_cached_kernel("auto")
-    use_linear_kernel("auto")
+    use_linear_kernel("auto", in_graphs=args.skinny_in_graphs)
     try:
         yield
     finally:
@@ -313,6 +320,13 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         "measured no gain), not in the compiled layer's own kernels; _tile_norm added to the file name",
     )
     p.add_argument(
+        "--skinny-in-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=IN_GRAPHS,
+        help="the draft step's eager maps (its layer's and lm_head) through the skinny kernels in the "
+        "captured step (use_linear_kernel's in_graphs); on: _in_graphs added to the file name",
+    )
+    p.add_argument(
         "--block-shapes",
         help="the skinny maps' block shapes from an earlier run's JSON (its skinny_configs) instead of "
         "timing them (inference_ref.skinny_linear.load_block_shapes): the same kernels in every process",
@@ -391,6 +405,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         + ("_pdl_tiles" if args.pdl and args.pdl_tiles else "")
         + ("_compiled" if args.compiled_layers else "")
         + ("_autotuned" if args.autotune else "")
+        + ("_in_graphs" if args.skinny_in_graphs else "")
         + ("_profiled" if args.profile else "")  # its own file: a profiled run times fewer batches
         + (f"_{args.tag}" if args.tag else "")
     )
@@ -407,6 +422,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             "tile_norm": args.tile_norm,
             "pdl": args.pdl,
             "pdl_tiles": args.pdl and args.pdl_tiles,
+            "skinny_in_graphs": args.skinny_in_graphs,
             "skinny_configs": tuned_configs(),
             "block_shapes_from": args.block_shapes,
             "compiled_layers": args.compiled_layers,

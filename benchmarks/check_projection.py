@@ -37,7 +37,7 @@ from benchmarks.common import DEVICE, DTYPE, RESULTS, shape, timed, write_result
 from benchmarks.random_draft import head_spec, random_draft
 from inference_ref.generate import generate, last_logits, prefill
 from inference_ref.models import TARGET_KINDS
-from inference_ref.skinny_linear import load_block_shapes
+from inference_ref.skinny_linear import IN_GRAPHS, load_block_shapes, use_linear_kernel
 from inference_ref.speculative import NO_CLOCK, Chain, SpecStep, draft_prefill, speculative_generate
 from mtp_train.projection import chain_step_ms, speedup
 
@@ -128,6 +128,13 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--block-shapes", help="the skinny maps' block shapes from this JSON instead of timed")
     p.add_argument("--head", default="rmsnorm-restored", choices=("rmsnorm-restored", "eagle3"))
     p.add_argument("--profile", action="store_true", help="also the loop's step by kernel kind")
+    p.add_argument(
+        "--skinny-in-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=IN_GRAPHS,
+        help="the graphed step's eager maps (the draft's layer and lm_head) through the skinny kernels "
+        "(use_linear_kernel's in_graphs); on: _in_graphs added to the file name",
+    )
     return p.parse_args()
 
 
@@ -152,6 +159,7 @@ def main() -> None:
     args = arguments()
     if args.block_shapes:  # the picks the costs were measured with, so that the two runs agree
         load_block_shapes(args.block_shapes)
+    use_linear_kernel("auto", in_graphs=args.skinny_in_graphs)
     costs_path, costs = read_costs(args)
     cfg = shape(args.shape)
     head = head_spec(args.head, cfg)
@@ -177,13 +185,15 @@ def main() -> None:
     write_result(
         f"projection_check_{args.shape}_b{args.batch}_k{args.k}"
         + ("_compiled" if args.compiled_layers else "")
-        + ("" if args.head == "rmsnorm-restored" else f"_{args.head}"),
+        + ("" if args.head == "rmsnorm-restored" else f"_{args.head}")
+        + ("_in_graphs" if args.skinny_in_graphs else ""),
         {
             "shape": args.shape,
             "compiled_layers": args.compiled_layers,
             "compiled_layers_ran": target.runs_compiled("cached"),  # false after a fallback
             "costs": costs_path.name,
             "block_shapes_from": args.block_shapes,
+            "skinny_in_graphs": args.skinny_in_graphs,
             "head": args.head,
             "draft_vocab_size": head.draft_vocab_size,  # 0: the whole vocabulary
             "draft_step_ms_by_vocab_measured": str(vocab) in costs.get("draft_step_ms_by_vocab", {}),

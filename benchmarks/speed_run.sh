@@ -54,6 +54,9 @@
 # Run 16 (2026-12-07, sixteenth session, an H100, no H200): kp kp_b1 kp_b8 kp_e3_b1 kp_e3_b8 with
 # the fixes: the projection within 2.3 % of the loop. Next, on an H200: ta_*, then bp*, p,
 # k70_split_skinny.
+# Since run 16 (2026-12-08, seventeenth session): ig_* (the graphed draft's maps through the skinny
+# kernels, use_linear_kernel's in_graphs) for an A/B on any GPU: ONLY="kp_b1 ig_b1 kp_e3_b1 ig_e3_b1"
+# (on an H100 with KP_COSTS=benchmarks/results/verify_cost_llama3_8b_split_skinny_compiled_projection_h100_run16.json).
 # Run on an H200 (with `kind: nvidia-h200`; name the file suffix; stop at once when
 # nvidia-smi names another GPU when only an H200 will do):
 #   t    the Triton kernels' GPU tests (bf16 against PyTorch's, every block shape forced,
@@ -124,7 +127,8 @@ run o8_on_again $o8 --pdl --tag pdl_ab_again
 # (BLOCK_SHAPES: the picks given to both, so that the loop runs the kernels the costs were measured with)
 kp="$v --shape llama3_8b --compiled-layers --new-tokens 1 2 3 4 5 --cached-kernel split --linear-kernel skinny ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}"
 run kp $kp --batches 1 8 --tag projection
-kp_costs=benchmarks/results/verify_cost_llama3_8b_split_skinny_compiled_projection.json
+# (KP_COSTS: an earlier run's costs, for the checks without kp, e.g. ..._projection_h100_run16.json)
+kp_costs=${KP_COSTS:-benchmarks/results/verify_cost_llama3_8b_split_skinny_compiled_projection.json}
 run kp_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --profile ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
 run kp_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs --profile ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
 # the same checks drafting with an EAGLE-3 head (its 32,000-row draft vocabulary at this shape): the
@@ -132,6 +136,15 @@ run kp_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 
 run kp_e3_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --head eagle3 ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
 run kp_e3_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs --head eagle3 ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
 run kp64 $kp --batches 32 64 --tag projection_b64
+# the graphed loop's eager draft with its maps (its layer's and lm_head) through the skinny kernels
+# (use_linear_kernel's in_graphs, off by default; 2026-12-08, not yet measured): A/B against kp_b1
+# kp_e3_b1 kp_b8 kp_e3_b8 on the same machine (the loop's step replayed and its measured speed-up;
+# projected with kp's costs, whose drafts ran without it), then `ig` for the costs with it
+run ig_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --skinny-in-graphs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
+run ig_e3_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --head eagle3 --skinny-in-graphs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
+run ig_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs --skinny-in-graphs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
+run ig_e3_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs --head eagle3 --skinny-in-graphs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
+run ig $kp --batches 1 8 --skinny-in-graphs --tag projection
 # the block shapes given instead of timed (2026-12-06, seventh session): run 10's fastest 8B picks
 # (benchmarks/block_shapes_llama3_8b_h200.json) in two processes, then one timing its own
 bp="$v --shape llama3_8b --compiled-layers --batches 1 8 --new-tokens 1 2 4 8 --cached-kernel split --linear-kernel skinny"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from inference_ref.skinny_linear import recording_graph
 from inference_ref.target import Cache, TargetModel
 
 
@@ -44,12 +45,12 @@ class DecodeStep:
         # Warm-up on a side stream (allocator, kernel choice); its cache writes land in scratch slots.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with recording_graph(), torch.cuda.stream(side):
             for _ in range(2):
                 self._run(self.ids, static=True)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with recording_graph(), torch.cuda.graph(self.graph):
             self.logits = self._run(self.ids, static=True)
 
     @torch.inference_mode()

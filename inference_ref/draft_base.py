@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from inference_ref.attention import Placement
-from inference_ref.cpu_linear import apply_linear
 from inference_ref.generate import draw, probabilities
 from inference_ref.head_spec import SHARED, HeadSpec, draft_ids
 from inference_ref.loading import placed
 from inference_ref.models import TARGET_KINDS
+from inference_ref.skinny_linear import project
 from inference_ref.ssd import saguaro
 from inference_ref.target import Cache, TargetModel
 
@@ -219,7 +219,7 @@ class Draft(nn.Module):
         """fp32 logits over the target vocabulary from output states y: with a draft vocabulary its
         tokens scored, the rest −inf (so that greedy and rejection sampling run unchanged, as
         vLLM maps EAGLE-3 logits)."""
-        scores = apply_linear(self.lm_head, self.spec.kind.math.output_state(self, y)).float()
+        scores = project(self.lm_head, self.spec.kind.math.output_state(self, y)).float()
         vocab = self.spec.target.vocab_size
         if scores.shape[-1] == vocab:
             return scores

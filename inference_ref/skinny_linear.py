@@ -22,6 +22,8 @@ Triton's interpreter (`TRITON_INTERPRET=1`: the tests).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from inference_ref.causal_lm import NormedRows, RMSNorm, residual_stream
@@ -731,14 +733,26 @@ _linear_kernel = "auto"
 _folds = True
 _tile_activation = True
 _tile_norm = False
+IN_GRAPHS = False
+"""`use_linear_kernel`'s in_graphs by default."""
+_in_graphs = IN_GRAPHS
+_recording = False  # inside `recording_graph()`
 
 
 def use_linear_kernel(
-    name: str, folds: bool = True, tile_activation: bool = True, tile_norm: bool = False
+    name: str,
+    folds: bool = True,
+    tile_activation: bool = True,
+    tile_norm: bool = False,
+    in_graphs: bool = IN_GRAPHS,
 ) -> None:
     """Which kernel `project` runs for a map of at most `MAX_ROWS` rows in 16 bits on CUDA:
     "cublas" (`F.linear`), "skinny" (`skinny_linear`), or "auto", the default: "skinny" inside
     compiled layers, "cublas" elsewhere (eager layers are bound by launches, not reads).
+    in_graphs: with "auto", also "skinny" for the eager maps of a step recorded as a CUDA graph
+    (`recording_graph`: the speculative loop's eager draft, its lm_head included): a
+    graph replays their launches at no host cost, which leaves the maps bound by reads, as in
+    compiled layers.
     folds: whether the skinny maps also take the layer's work around them (the RMSNorms, the
     rotary and cache writes after q|k|v, SiLU·up, the residual adds: `project`, `project_mlp`,
     `project_qkv`); off, that work runs in the compiled layer's own kernels.
@@ -755,10 +769,23 @@ def use_linear_kernel(
     Off by default: on an H100 it changed batch 1 by under 1 % and made batch 8's 8-token verify
     4 % slower; with SiLU·up in the epilogue and the tiles' PDL, the verifies of 2-8 tokens were
     6-14 % slower (run 11, `bench_verify_cost --tile-norm`)."""
-    global _linear_kernel, _folds, _tile_activation, _tile_norm
+    global _linear_kernel, _folds, _tile_activation, _tile_norm, _in_graphs
     if name not in LINEAR_KERNELS:
         raise ValueError(f"linear kernel {name!r}: one of {', '.join(LINEAR_KERNELS)}")
     _linear_kernel, _folds, _tile_activation, _tile_norm = name, folds, tile_activation, tile_norm
+    _in_graphs = in_graphs
+
+
+@contextlib.contextmanager
+def recording_graph():
+    """Around a CUDA graph's warm-up and capture (`use_linear_kernel`'s in_graphs): the warm-up,
+    outside the capture, is where the eager maps' block shapes are timed."""
+    global _recording
+    before, _recording = _recording, True
+    try:
+        yield
+    finally:
+        _recording = before
 
 
 def splits_tile_norms() -> bool:
@@ -929,7 +956,8 @@ def _folds_residual(residual: torch.Tensor | None, x: torch.Tensor) -> bool:
 def _runs_skinny(linear: torch.nn.Module, x: torch.Tensor) -> bool:
     kernel = _linear_kernel
     if kernel == "auto":
-        kernel = "skinny" if torch.compiler.is_compiling() else "cublas"
+        # (compiling first: a traced layer reads no flag, so its graph has no guard on them)
+        kernel = "skinny" if torch.compiler.is_compiling() or (_in_graphs and _recording) else "cublas"
     return kernel == "skinny" and _plain(linear) and _fits(x)
 
 

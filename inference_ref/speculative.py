@@ -37,6 +37,7 @@ from inference_ref.generate import (
     right_pad,
     sample,
 )
+from inference_ref.skinny_linear import recording_graph
 from inference_ref.ssd import cache_hits
 from inference_ref.target import Cache, TargetModel
 from inference_ref.tree import TreeShape, TreeStep
@@ -305,12 +306,12 @@ class SpecStep:
         saved = [t.clone() for t in (self.last, self.y, self.target_cache.lengths, self.draft_cache.lengths)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with recording_graph(), torch.cuda.stream(side):
             self._run(NO_CLOCK, static=True)
         torch.cuda.current_stream().wait_stream(side)
         self._restore(saved)
         self.cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.cuda_graph):  # records the step; runs nothing
+        with recording_graph(), torch.cuda.graph(self.cuda_graph):  # records the step; runs nothing
             self.kept, self.n_accepted = self._run(NO_CLOCK, static=True)
 
     def _restore(self, saved: list[torch.Tensor]) -> None:

@@ -8,6 +8,7 @@ when the kernels are defined) and on CUDA in bf16 (`test_gpu.py`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 
@@ -460,6 +461,49 @@ def check_graphed_steps(device: str, dtype: torch.dtype) -> None:
         use_pdl(*default_pdl)
 
 
+@torch.inference_mode()
+def check_draft_in_graphs(device: str, dtype: torch.dtype) -> None:
+    """With `use_linear_kernel`'s in_graphs, a draft's chained step and logits run their maps (the
+    layer's and lm_head) through the skinny kernels inside `recording_graph` (a graphed step's
+    warm-up and capture) and equal cuBLAS's outside it; without in_graphs, inside it too, they run
+    none."""
+    from benchmarks.random_draft import head_spec, random_draft
+    from inference_ref.skinny_linear import recording_graph
+
+    target = random_llama(tiny_llama(), device, dtype, seed=0)
+    draft = random_draft(target, head_spec("rmsnorm-restored", target.cfg))
+    torch.manual_seed(3)
+    rows, h = 3, target.cfg.hidden_size
+    y = torch.randn(rows, h, device=device, dtype=dtype)
+    token = torch.randint(0, target.cfg.vocab_size, (rows,), device=device)
+
+    def step(in_graphs: bool, recording: bool) -> tuple[torch.Tensor, int]:
+        use_linear_kernel("auto", in_graphs=in_graphs)
+        cache = draft.new_cache(rows, 16)
+        cache.lengths += 5
+        calls, counted = [0], skinny._skinny
+
+        def counting(*args, **kwargs):
+            calls[0] += 1
+            return counted(*args, **kwargs)
+
+        skinny._skinny = counting
+        try:
+            with recording_graph() if recording else contextlib.nullcontext():
+                return draft.logits(draft.chain(y, token, cache, 1, static=True)), calls[0]
+        finally:
+            skinny._skinny = counted
+            use_linear_kernel("auto")
+
+    want, plain = step(in_graphs=True, recording=False)
+    got, skinny_maps = step(in_graphs=True, recording=True)
+    off, off_maps = step(in_graphs=False, recording=True)
+    assert plain == 0 and off_maps == 0, (plain, off_maps)
+    assert skinny_maps >= 2, skinny_maps  # o_proj and lm_head at least (q|k|v has its own kernel)
+    assert relative_error(got, want) < 10 * tolerance(dtype), relative_error(got, want)
+    assert torch.equal(off, want)
+
+
 POINTER_TYPES = {
     "SQ": "*fp32",
     "Slots": "*i64",
@@ -545,6 +589,7 @@ CHECKS = {
     "qkv_rope_cache": check_qkv_rope_cache,
     "block_shapes": check_block_shapes,
     "model_steps": check_model_steps,
+    "draft_in_graphs": check_draft_in_graphs,
 }
 
 

@@ -203,7 +203,7 @@ def test_an_fp8_target_loads_without_holding_its_bf16_weights(tmp_path):
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
 
 
-@pytest.mark.parametrize("check", ["split_kv", "skinny", "qkv_rope_cache", "block_shapes"])
+@pytest.mark.parametrize("check", ["split_kv", "skinny", "qkv_rope_cache", "block_shapes", "draft_in_graphs"])
 def test_triton_kernel_in_bf16(check):
     from kernel_checks import CHECKS
 

@@ -18,6 +18,7 @@ from inference_ref.causal_lm import cu_seqlens_of, packed_positions
 from inference_ref.draft import MTPDraft, load_draft
 from inference_ref.generate import generate
 from inference_ref.models.llama import LlamaModel, load_llama, random_llama
+from inference_ref.skinny_linear import use_linear_kernel
 from inference_ref.speculative import Chain, speculative_generate
 from inference_ref.tree import TreeShape
 from mtp_train.head_attention import Segments
@@ -436,6 +437,13 @@ def test_cuda_loop(dtype, tmp_path):
         assert graphed.stats.accepted == out.stats.accepted
     one = speculative_generate(target, draft, prompts[:1], 40, [5], Chain(3), graph=True)  # batch 1
     assert len(one.tokens[0]) > 0
+    if dtype == torch.bfloat16:  # the graphed draft's maps through the skinny kernels, tuned in the warm-up
+        use_linear_kernel("auto", in_graphs=True)
+        try:
+            skinny = speculative_generate(target, draft, prompts, 40, [5], Chain(3), graph=True)
+        finally:
+            use_linear_kernel("auto")
+        assert skinny.stats.mean_accepted_len > 1.3
 
     def sampled(seed: int):
         g = torch.Generator("cuda").manual_seed(seed)

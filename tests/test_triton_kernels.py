@@ -48,6 +48,11 @@ def test_qkv_rope_cache_matches_the_map_rotary_and_cache_writes(interpreted, spe
     checked(interpreted, spec)
 
 
+@pytest.mark.parametrize("spec", ["draft_in_graphs cpu float32"], ids=["float32"])
+def test_graphed_drafts_maps_run_the_skinny_kernels_with_in_graphs(interpreted, spec):
+    checked(interpreted, spec)
+
+
 @pytest.mark.parametrize("spec", ["block_shapes cpu float32"], ids=["float32"])
 def test_every_block_shape_the_tuning_may_choose(interpreted, spec):
     checked(interpreted, spec)
