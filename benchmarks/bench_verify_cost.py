@@ -41,13 +41,13 @@ from benchmarks.common import (
 )
 from benchmarks.random_draft import head_spec, random_draft
 from inference_ref.attention import CACHED_KERNELS, use_cached_kernel
+from inference_ref.decode_graph import record
 from inference_ref.head_spec import HEAD_KINDS
 from inference_ref.models import TARGET_KINDS
 from inference_ref.skinny_linear import (
     IN_GRAPHS,
     LINEAR_KERNELS,
     load_block_shapes,
-    recording_graph,
     tuned_configs,
     use_linear_kernel,
 )
@@ -60,15 +60,7 @@ CONTEXT = 1024  # committed tokens per row before the verify: a mid-conversation
 
 def captured(fn) -> torch.cuda.CUDAGraph:
     """`fn` captured as a CUDA graph (after two eager warm-ups on a side stream) and replayed once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with recording_graph(), torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with recording_graph(), torch.cuda.graph(graph):
-        fn()
+    graph, _ = record(fn)
     graph.replay()
     return graph
 

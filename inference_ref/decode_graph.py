@@ -14,6 +14,27 @@ from inference_ref.skinny_linear import recording_graph
 from inference_ref.target import Cache, TargetModel
 
 
+def record(step, warmups: int = 2, after_warmups=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`step()` captured as a CUDA graph, after `warmups` eager runs on a side stream (the
+    allocator's pools and the kernels' choices: cuBLAS's, and the skinny maps' block shapes, which
+    are timed there and never inside a capture); `after_warmups()` runs before the capture (a
+    caller's state restored). Returns the graph and what the captured call returned: its output
+    buffers, which each replay refills. Both runs are inside `recording_graph`, where
+    `use_linear_kernel`'s in_graphs takes eager maps through the skinny kernels."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with recording_graph(), torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    if after_warmups is not None:
+        after_warmups()
+    graph = torch.cuda.CUDAGraph()
+    with recording_graph(), torch.cuda.graph(graph):  # records the step; runs nothing
+        out = step()
+    return graph, out
+
+
 class DecodeStep:
     """Next-token logits [B, V] (fp32) for ids [B, new] placed after each row's committed entries.
     The step's states stay readable until the next call: `hidden` [B, new, H] before the final norm
@@ -42,16 +63,8 @@ class DecodeStep:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        # Warm-up on a side stream (allocator, kernel choice); its cache writes land in scratch slots.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with recording_graph(), torch.cuda.stream(side):
-            for _ in range(2):
-                self._run(self.ids, static=True)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with recording_graph(), torch.cuda.graph(self.graph):
-            self.logits = self._run(self.ids, static=True)
+        # the warm-ups' cache writes land in scratch slots
+        self.graph, self.logits = record(lambda: self._run(self.ids, static=True))
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:

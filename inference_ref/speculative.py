@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inference_ref.decode_graph import record
 from inference_ref.draft import MTPDraft
 from inference_ref.generate import (
     append_until_done,
@@ -37,7 +38,6 @@ from inference_ref.generate import (
     right_pad,
     sample,
 )
-from inference_ref.skinny_linear import recording_graph
 from inference_ref.ssd import cache_hits
 from inference_ref.target import Cache, TargetModel
 from inference_ref.tree import TreeShape, TreeStep
@@ -304,15 +304,9 @@ class SpecStep:
         # Warm-up on a side stream (allocator, kernel choice) from saved state, then capture. The
         # warm-up's cache writes land past the committed entries (scratch); lengths are restored.
         saved = [t.clone() for t in (self.last, self.y, self.target_cache.lengths, self.draft_cache.lengths)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with recording_graph(), torch.cuda.stream(side):
-            self._run(NO_CLOCK, static=True)
-        torch.cuda.current_stream().wait_stream(side)
-        self._restore(saved)
-        self.cuda_graph = torch.cuda.CUDAGraph()
-        with recording_graph(), torch.cuda.graph(self.cuda_graph):  # records the step; runs nothing
-            self.kept, self.n_accepted = self._run(NO_CLOCK, static=True)
+        self.cuda_graph, (self.kept, self.n_accepted) = record(
+            lambda: self._run(NO_CLOCK, static=True), warmups=1, after_warmups=lambda: self._restore(saved)
+        )
 
     def _restore(self, saved: list[torch.Tensor]) -> None:
         for live, value in zip(
