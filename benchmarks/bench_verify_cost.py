@@ -47,6 +47,7 @@ from inference_ref.models import TARGET_KINDS
 from inference_ref.skinny_linear import (
     IN_GRAPHS,
     LINEAR_KERNELS,
+    graphed_eager_maps,
     load_block_shapes,
     tuned_configs,
     use_linear_kernel,
@@ -147,7 +148,8 @@ def draft_figures(model, batches, context: int, profile: bool) -> dict:
     restored = random_draft(model, head_spec("rmsnorm-restored", model.cfg))
     vocab = eagle3_draft_vocab(model.cfg)
     return {
-        "draft_step_kind": "a random head's chained step, eager, the default kernels (since 2026-12-07)",
+        "draft_step_kind": "a random head's chained step, eager, the default kernels (since 2026-12-07)"
+        + (", its maps skinny in the graph (in_graphs)" if graphed_eager_maps() else ""),
         "draft_step_ms": step_ms(restored),
         "draft_step_ms_by_vocab": {str(vocab): step_ms(random_draft(model, head_spec("eagle3", model.cfg)))}
         if vocab

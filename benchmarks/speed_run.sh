@@ -140,9 +140,9 @@ run kp64 $kp --batches 32 64 --tag projection_b64
 # (use_linear_kernel's in_graphs, off by default; 2026-12-08, not yet measured): A/B against kp_b1
 # kp_e3_b1 kp_b8 kp_e3_b8 on the same machine (the loop's step replayed and its measured speed-up;
 # projected with kp's costs, whose drafts ran without it), then `ig` for the costs with it
-run ig_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --skinny-in-graphs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
+run ig_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --skinny-in-graphs --profile ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
 run ig_e3_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --head eagle3 --skinny-in-graphs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
-run ig_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs --skinny-in-graphs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
+run ig_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs --skinny-in-graphs --profile ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
 run ig_e3_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs --head eagle3 --skinny-in-graphs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
 run ig $kp --batches 1 8 --skinny-in-graphs --tag projection
 # the block shapes given instead of timed (2026-12-06, seventh session): run 10's fastest 8B picks

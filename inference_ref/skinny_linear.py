@@ -749,10 +749,11 @@ def use_linear_kernel(
     """Which kernel `project` runs for a map of at most `MAX_ROWS` rows in 16 bits on CUDA:
     "cublas" (`F.linear`), "skinny" (`skinny_linear`), or "auto", the default: "skinny" inside
     compiled layers, "cublas" elsewhere (eager layers are bound by launches, not reads).
-    in_graphs: with "auto", also "skinny" for the eager maps of a step recorded as a CUDA graph
-    (`recording_graph`: the speculative loop's eager draft, its lm_head included): a
-    graph replays their launches at no host cost, which leaves the maps bound by reads, as in
-    compiled layers.
+    in_graphs: with "auto", also "skinny" for every eager map of a step recorded as a CUDA graph
+    (`recording_graph`: the speculative loop's draft, its lm_head included; a target's layers too
+    where they run eager, not compiled): a graph replays their launches at no host cost, which
+    leaves the maps bound by reads, as in compiled layers. (An explicit "skinny" takes the draft's
+    lm_head, as every `project`, whether recorded or not.)
     folds: whether the skinny maps also take the layer's work around them (the RMSNorms, the
     rotary and cache writes after q|k|v, SiLU·up, the residual adds: `project`, `project_mlp`,
     `project_qkv`); off, that work runs in the compiled layer's own kernels.
@@ -786,6 +787,12 @@ def recording_graph():
         yield
     finally:
         _recording = before
+
+
+def graphed_eager_maps() -> bool:
+    """Whether "auto" takes a recorded step's eager maps to the skinny kernels (`use_linear_kernel`'s
+    in_graphs)."""
+    return _in_graphs and _linear_kernel == "auto"
 
 
 def splits_tile_norms() -> bool:
