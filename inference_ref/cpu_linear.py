@@ -12,8 +12,9 @@ only (last bits: the published heads' greedy counts are unchanged).
 On an Intel CPU MKL dispatches its own kernels and x · Wᵀ is the fast product: on a 2-core Intel
 Xeon (AVX-512, AMX) (W · xᵀ)ᵀ cost 2–8× more at 2–3 rows and the loop 1.3× more, and 1.2× more
 with MKL and PyTorch held to their AVX2 kernels (docs/benchmarks.md). So the product follows the
-CPU's vendor (`TRANSPOSED`), fixed per machine rather than timed, so that two processes or two runs on one machine compute the same bits (the
-ranks of a sharded target, the exact counts the tests compare)."""
+CPU's vendor (`TRANSPOSED`), fixed per machine rather than timed, so that two processes or two
+runs on one machine compute the same bits (the ranks of a sharded target, the exact counts the
+tests compare)."""
 
 from __future__ import annotations
 
