@@ -76,8 +76,10 @@ def compared(linear: torch.nn.Linear, x: torch.Tensor, seconds: float) -> dict:
 
 def cpu_model() -> str:
     """The CPU's model name and vendor (Linux), which `write_result`'s device leaves empty."""
-    fields = dict(line.split(":", 1) for line in cpu_linear.cpuinfo().splitlines() if ":" in line)
-    return " ".join(fields.get(f"{key}\t", "").strip() for key in ("vendor_id", "model name"))
+    text = cpu_linear.cpuinfo()
+    return " ".join(
+        next(iter(cpu_linear.cpuinfo_values(text, key)), "") for key in ("vendor_id", "model name")
+    )
 
 
 def isa() -> dict:

@@ -36,12 +36,17 @@ def cpuinfo() -> str:
         return ""
 
 
+def cpuinfo_values(cpuinfo: str, key: str) -> list[str]:
+    """The values of `key` ("vendor_id", "model name") in /proc/cpuinfo's text: one per core."""
+    pairs = (line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
+    return [value.strip() for name, value in pairs if name.strip() == key]
+
+
 def transposes_few_rows(cpuinfo: str) -> bool:
     """Whether a CPU whose /proc/cpuinfo reads `cpuinfo` computes a few rows as (W · xᵀ)ᵀ: any but
     an Intel one (measured: an AMD EPYC, where MKL's x · Wᵀ is slow at 2–8 rows, and an Intel Xeon,
     where it is the fast one). Unknown (no /proc/cpuinfo): as on the AMD EPYC."""
-    vendors = {line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("vendor_id")}
-    return vendors != {"GenuineIntel"}
+    return set(cpuinfo_values(cpuinfo, "vendor_id")) != {"GenuineIntel"}
 
 
 TRANSPOSED = transposes_few_rows(cpuinfo())
