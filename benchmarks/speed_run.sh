@@ -129,21 +129,22 @@ kp="$v --shape llama3_8b --compiled-layers --new-tokens 1 2 3 4 5 --cached-kerne
 run kp $kp --batches 1 8 --tag projection
 # (KP_COSTS: an earlier run's costs, for the checks without kp, e.g. ..._projection_h100_run16.json)
 kp_costs=${KP_COSTS:-benchmarks/results/verify_cost_llama3_8b_split_skinny_compiled_projection.json}
-run kp_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --profile ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
-run kp_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs --profile ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
+check="python -m benchmarks.check_projection --shape llama3_8b --k 3 --new 128 --compiled-layers --costs $kp_costs${BLOCK_SHAPES:+ --block-shapes $BLOCK_SHAPES}"
+run kp_b1 $check --batch 1 --profile
+run kp_b8 $check --batch 8 --profile
 # the same checks drafting with an EAGLE-3 head (its 32,000-row draft vocabulary at this shape): the
 # projection's draft step by vocabulary (`draft_step_ms_by_vocab`, in kp's costs) against the loop
-run kp_e3_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --head eagle3 ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
-run kp_e3_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs --head eagle3 ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
+run kp_e3_b1 $check --batch 1 --head eagle3
+run kp_e3_b8 $check --batch 8 --head eagle3
 run kp64 $kp --batches 32 64 --tag projection_b64
 # the graphed loop's eager draft with its maps (its layer's and lm_head) through the skinny kernels
 # (use_linear_kernel's in_graphs, off by default; 2026-12-08, not yet measured): A/B against kp_b1
 # kp_e3_b1 kp_b8 kp_e3_b8 on the same machine (the loop's step replayed and its measured speed-up;
 # projected with kp's costs, whose drafts ran without it), then `ig` for the costs with it
-run ig_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --skinny-in-graphs --profile ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
-run ig_e3_b1 python -m benchmarks.check_projection --shape llama3_8b --batch 1 --k 3 --new 128 --compiled-layers --costs $kp_costs --head eagle3 --skinny-in-graphs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
-run ig_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs --skinny-in-graphs --profile ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
-run ig_e3_b8 python -m benchmarks.check_projection --shape llama3_8b --batch 8 --k 3 --new 128 --compiled-layers --costs $kp_costs --head eagle3 --skinny-in-graphs ${BLOCK_SHAPES:+--block-shapes $BLOCK_SHAPES}
+run ig_b1 $check --batch 1 --skinny-in-graphs --profile
+run ig_e3_b1 $check --batch 1 --head eagle3 --skinny-in-graphs
+run ig_b8 $check --batch 8 --skinny-in-graphs --profile
+run ig_e3_b8 $check --batch 8 --head eagle3 --skinny-in-graphs
 run ig $kp --batches 1 8 --skinny-in-graphs --tag projection
 # the block shapes given instead of timed (2026-12-06, seventh session): run 10's fastest 8B picks
 # (benchmarks/block_shapes_llama3_8b_h200.json) in two processes, then one timing its own
